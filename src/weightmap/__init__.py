@@ -1,0 +1,33 @@
+"""weightmap: remap tensor checkpoints between frameworks, correct to the bit.
+
+A mapping (a small rule language, or a preset from ``mappings/``) is compiled against a
+checkpoint's headers and config into an immutable plan, which a streaming executor writes
+into a new safetensors checkpoint in bounded memory.
+"""
+
+from __future__ import annotations
+
+from weightmap.errors import (
+    CheckpointError,
+    ExecutionError,
+    FormatError,
+    MappingError,
+    MappingSyntaxError,
+    OutputExistsError,
+    PlanError,
+    WeightmapError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ExecutionError",
+    "FormatError",
+    "MappingError",
+    "MappingSyntaxError",
+    "OutputExistsError",
+    "PlanError",
+    "WeightmapError",
+    "__version__",
+]

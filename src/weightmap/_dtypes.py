@@ -1,0 +1,119 @@
+"""The safetensors dtype table and the small value types shared by every stage.
+
+Nothing here imports torch: the format layer and the compiler only need names, bit widths
+and shapes. ``torch_dtype`` resolves a dtype lazily for the stages that touch data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "DType", "TensorSpec", "dtype", "nbytes", "numel"]
+
+Kind = Literal["bool", "float", "int", "uint", "complex"]
+
+# Largest value a u64 can hold: the reference implementation computes sizes in u64 and refuses
+# anything that overflows, so a header whose sizes only fit in Python's big ints is malformed.
+U64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class DType:
+    """One safetensors dtype.
+
+    ``rank`` is the dtype's position in the reference implementation's enum; its writer orders
+    tensors by descending rank then by name, and so must ours for byte-identical output.
+    """
+
+    name: str
+    bits: int
+    rank: int
+    kind: Kind
+    torch_name: str | None
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element, rounded up (1 for the sub-byte F4/F6 types)."""
+        return max(1, self.bits // 8)
+
+    def torch(self) -> torch.dtype:
+        """The torch dtype, or a FormatError-free ``TypeError`` if torch has none."""
+        import torch
+
+        if self.torch_name is None or not hasattr(torch, self.torch_name):
+            raise TypeError(f"dtype {self.name} has no torch equivalent in this torch build")
+        result: torch.dtype = getattr(torch, self.torch_name)
+        return result
+
+
+_TABLE: tuple[tuple[str, int, Kind, str | None], ...] = (
+    # In the reference enum's order (rank = index).
+    ("BOOL", 8, "bool", "bool"),
+    ("F4", 4, "float", "float4_e2m1fn_x2"),
+    ("F6_E2M3", 6, "float", None),
+    ("F6_E3M2", 6, "float", None),
+    ("U8", 8, "uint", "uint8"),
+    ("I8", 8, "int", "int8"),
+    ("F8_E5M2", 8, "float", "float8_e5m2"),
+    ("F8_E4M3", 8, "float", "float8_e4m3fn"),
+    ("F8_E8M0", 8, "float", "float8_e8m0fnu"),
+    ("F8_E4M3FNUZ", 8, "float", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", 8, "float", "float8_e5m2fnuz"),
+    ("I16", 16, "int", "int16"),
+    ("U16", 16, "uint", "uint16"),
+    ("F16", 16, "float", "float16"),
+    ("BF16", 16, "float", "bfloat16"),
+    ("I32", 32, "int", "int32"),
+    ("U32", 32, "uint", "uint32"),
+    ("F32", 32, "float", "float32"),
+    ("C64", 64, "complex", "complex64"),
+    ("F64", 64, "float", "float64"),
+    ("I64", 64, "int", "int64"),
+    ("U64", 64, "uint", "uint64"),
+)
+
+DTYPES: dict[str, DType] = {
+    name: DType(name, bits, rank, kind, torch_name)
+    for rank, (name, bits, kind, torch_name) in enumerate(_TABLE)
+}
+
+
+def dtype(name: str) -> DType:
+    """Look up a safetensors dtype by its header name (``"BF16"``); ``KeyError`` if unknown."""
+    return DTYPES[name]
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Number of elements of a shape (1 for a 0-rank scalar)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def nbytes(dtype_name: str, shape: tuple[int, ...]) -> int:
+    """Byte size of a tensor; ``ValueError`` if the bits do not fill whole bytes."""
+    bits = numel(shape) * DTYPES[dtype_name].bits
+    if bits % 8:
+        raise ValueError(
+            f"{dtype_name} tensor of shape {list(shape)} holds {bits} bits, not a whole byte count"
+        )
+    return bits // 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's name, dtype (safetensors name) and shape: all a plan needs to know of it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return nbytes(self.dtype, self.shape)

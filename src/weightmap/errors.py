@@ -1,0 +1,73 @@
+"""The exception hierarchy: one root, one subclass per stage.
+
+Every error weightmap raises for bad input derives from :class:`WeightmapError`, so a caller
+can catch the whole family at once, and each stage's error also derives from the builtin a
+caller would naturally expect (``ValueError`` for malformed data, ``OSError`` for I/O).
+Messages name the file, the tensor or the rule, and what to do about it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "CheckpointError",
+    "ExecutionError",
+    "FormatError",
+    "MappingError",
+    "MappingSyntaxError",
+    "OutputExistsError",
+    "PlanError",
+    "WeightmapError",
+]
+
+
+class WeightmapError(Exception):
+    """Root of every error that weightmap raises on purpose."""
+
+
+class FormatError(WeightmapError, ValueError):
+    """A safetensors file breaks a rule of the format.
+
+    ``path`` is the offending file, ``tensor`` the tensor concerned (if any) and ``rule`` a short
+    identifier of the broken rule (stable, for tests and tools).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        tensor: str | None = None,
+        rule: str = "format",
+    ) -> None:
+        self.path = None if path is None else str(path)
+        self.tensor = tensor
+        self.rule = rule
+        where = f"{self.path}: " if self.path else ""
+        what = f"tensor {tensor!r}: " if tensor is not None else ""
+        super().__init__(f"{where}{what}{message} [{rule}]")
+
+
+class CheckpointError(FormatError):
+    """A checkpoint as a whole is inconsistent: index vs shards, missing files, bad config."""
+
+
+class MappingSyntaxError(WeightmapError, ValueError):
+    """A mapping file cannot be parsed. The message shows file:line:col and a caret."""
+
+
+class MappingError(WeightmapError, ValueError):
+    """A mapping parses but is wrong for itself or for the checkpoint (the plan stage)."""
+
+
+# The plan stage is where mapping semantics are checked; one name for both.
+PlanError = MappingError
+
+
+class ExecutionError(WeightmapError, OSError):
+    """Writing the output failed; the destination was left as it was."""
+
+
+class OutputExistsError(ExecutionError, FileExistsError):
+    """The destination exists and the caller did not ask to overwrite it (or it is the input)."""
