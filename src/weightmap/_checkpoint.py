@@ -1,0 +1,332 @@
+"""A checkpoint: one safetensors file, or shards with an index, plus an optional config.json.
+
+Opening a checkpoint reads and validates every header and cross-checks the index, but reads
+no tensor data. Tensor bytes are reached either as a byte range of a file (for copies in the
+kernel) or as a memory-mapped, zero-copy torch view (for transforms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from weightmap._dtypes import DTYPES, TensorSpec
+from weightmap._format import Header, TensorInfo, read_header
+from weightmap.errors import CheckpointError, FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "Checkpoint", "TensorLocation"]
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# Index and config files are small; a huge one is hostile, and json would hold it all.
+_MAX_JSON_SIZE = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes live: ``length`` bytes at ``offset`` in ``path``."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        size = path.stat().st_size
+        if size > _MAX_JSON_SIZE:
+            raise CheckpointError(
+                f"{what} is {size} bytes, over the {_MAX_JSON_SIZE}-byte limit",
+                path=path,
+                rule="json-too-large",
+            )
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(text)
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{what} is not UTF-8", path=path, rule="json") from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule="json") from None
+
+
+def _shard_path(root: Path, name: object, index_path: Path) -> Path:
+    """Resolve a shard name from an index, refusing anything that leaves the folder."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or "\x00" in name
+        or Path(name).is_absolute()
+    ):
+        raise CheckpointError(
+            f"weight_map names shard {name!r}; shards must be plain file names in the "
+            "checkpoint's folder",
+            path=index_path,
+            rule="shard-name",
+        )
+    path = root / name
+    # A symlink may point anywhere; follow it only if it stays in the folder, or, in a hub
+    # cache's `snapshots/<revision>/` folder, into that repository's `blobs/` folder.
+    resolved = path.resolve()
+    real_root = root.resolve()
+    in_cache = real_root.parent.name == "snapshots" and resolved.parent == (
+        real_root.parent.parent / "blobs"
+    )
+    if resolved.parent != real_root and not in_cache:
+        raise CheckpointError(
+            f"shard {name!r} is a link that leaves the checkpoint's folder (to {resolved})",
+            path=index_path,
+            rule="shard-escape",
+        )
+    return path
+
+
+class Checkpoint:
+    """A validated safetensors checkpoint.
+
+    ``Checkpoint.open(path)`` takes a folder (with ``model.safetensors`` or shards plus
+    ``model.safetensors.index.json``, and optionally ``config.json``) or a single ``.safetensors``
+    file (whose folder's ``config.json`` is used if present).
+
+    >>> ckpt = Checkpoint.open("examples/eagle3-speculators")
+    >>> len(ckpt.tensors)
+    16
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        headers: Mapping[Path, Header],
+        tensors: Mapping[str, tuple[Path, TensorInfo]],
+        config: dict[str, Any] | None,
+        index_path: Path | None,
+    ) -> None:
+        self.root = root
+        self.headers: Mapping[Path, Header] = MappingProxyType(dict(headers))
+        self._tensors: Mapping[str, tuple[Path, TensorInfo]] = MappingProxyType(dict(tensors))
+        self._config = config
+        self.index_path = index_path
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Open and validate a checkpoint folder or file."""
+        p = Path(path)
+        if not p.exists():
+            raise CheckpointError("does not exist", path=p, rule="missing")
+        if p.is_file():
+            return cls._from_files(p.parent, [p], None)
+        root = p
+        index = root / INDEX_NAME
+        single = root / SINGLE_NAME
+        if index.is_file():
+            return cls._from_index(root, index)
+        if single.is_file():
+            return cls._from_files(root, [single], None)
+        found = sorted(q.name for q in root.glob("*.safetensors"))
+        hint = (
+            f"; found {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} — pass one file "
+            "directly, or add an index"
+            if found
+            else ""
+        )
+        raise CheckpointError(
+            f"folder has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}", path=p, rule="layout"
+        )
+
+    @classmethod
+    def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
+        index = _read_json(index_path, "the index")
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(
+                'index must be a JSON object with a "weight_map" object',
+                path=index_path,
+                rule="index",
+            )
+        weight_map: dict[str, Any] = index["weight_map"]
+        shard_names: dict[str, Path] = {}
+        for shard in weight_map.values():
+            if shard not in shard_names:
+                shard_names[shard] = _shard_path(root, shard, index_path)
+        missing = [name for name, p in shard_names.items() if not p.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"index names shard(s) that do not exist: {', '.join(sorted(missing))}",
+                path=index_path,
+                rule="missing-shard",
+            )
+        ckpt = cls._from_files(root, list(shard_names.values()), index_path)
+        problems: list[str] = []
+        for tensor, shard in weight_map.items():
+            located = ckpt._tensors.get(tensor)
+            if located is None:
+                problems.append(f"{tensor!r} is in the index but in no shard")
+            elif located[0].name != shard:
+                problems.append(f"{tensor!r} is indexed in {shard} but stored in {located[0].name}")
+        for tensor, (shard_path, _) in ckpt._tensors.items():
+            if tensor not in weight_map:
+                problems.append(f"{tensor!r} is stored in {shard_path.name} but not indexed")
+        if problems:
+            shown = "; ".join(problems[:10])
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            raise CheckpointError(
+                f"index disagrees with the shards' headers: {shown}{more}",
+                path=index_path,
+                rule="index-mismatch",
+            )
+        return ckpt
+
+    @classmethod
+    def _from_files(cls, root: Path, files: list[Path], index_path: Path | None) -> Checkpoint:
+        headers: dict[Path, Header] = {}
+        tensors: dict[str, tuple[Path, TensorInfo]] = {}
+        for f in files:
+            header = read_header(f)
+            headers[f] = header
+            for name, info in header.tensors.items():
+                if name in tensors:
+                    raise CheckpointError(
+                        f"tensor is stored in both {tensors[name][0].name} and {f.name}",
+                        path=f,
+                        tensor=name,
+                        rule="duplicate-name",
+                    )
+                tensors[name] = (f, info)
+        config: dict[str, Any] | None = None
+        config_path = root / CONFIG_NAME
+        if config_path.is_file():
+            loaded = _read_json(config_path, "config.json")
+            if not isinstance(loaded, dict):
+                raise CheckpointError(
+                    f"config.json holds a JSON {type(loaded).__name__}, not an object",
+                    path=config_path,
+                    rule="config",
+                )
+            config = loaded
+        return cls(root, headers, tensors, config, index_path)
+
+    # -- metadata ------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """A fresh copy of config.json, or None when the checkpoint has none."""
+        return None if self._config is None else json.loads(json.dumps(self._config))
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The safetensors files, in index order."""
+        return tuple(self.headers)
+
+    @property
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        """Every tensor by name, file by file, in data order."""
+        return MappingProxyType({name: info for name, (_, info) in self._tensors.items()})
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        """Every tensor's name, dtype and shape, in storage order."""
+        return tuple(info.spec for _, info in self._tensors.values())
+
+    def file_of(self, name: str) -> Path:
+        """The file that stores tensor ``name``."""
+        return self._lookup(name)[0]
+
+    def location(self, name: str) -> TensorLocation:
+        """The byte range of tensor ``name`` in its file."""
+        path, info = self._lookup(name)
+        return TensorLocation(path, self.headers[path].data_start + info.begin, info.nbytes)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def _lookup(self, name: str) -> tuple[Path, TensorInfo]:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"checkpoint {self.root} has no tensor {name!r}") from None
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def _map(self, path: Path) -> mmap.mmap:
+        with self._lock:
+            mm = self._maps.get(path)
+            if mm is None:
+                with path.open("rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size != self.headers[path].file_size:
+                        raise FormatError(
+                            f"file changed since it was opened ({size} bytes, expected "
+                            f"{self.headers[path].file_size})",
+                            path=path,
+                            rule="changed",
+                        )
+                    # ACCESS_COPY gives a writable buffer (torch.frombuffer warns on read-only
+                    # ones) whose pages stay shared with the page cache until written, which we
+                    # never do.
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._maps[path] = mm
+            return mm
+
+    def view(self, name: str) -> torch.Tensor:
+        """A zero-copy torch tensor over the memory-mapped bytes of ``name``.
+
+        The view is valid while the checkpoint is open. F4 tensors come back as
+        ``float4_e2m1fn_x2`` with the last dimension halved (two values per byte); dtypes that
+        torch lacks (F6) come back as raw ``uint8`` bytes.
+        """
+        import torch
+
+        path, info = self._lookup(name)
+        loc = self.location(name)
+        mm = self._map(path)
+        if loc.length == 0:
+            raw = torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=loc.length, offset=loc.offset)
+        dt = DTYPES[info.dtype]
+        if dt.name == "F4" and info.shape and info.shape[-1] % 2 == 0:
+            shape = (*info.shape[:-1], info.shape[-1] // 2)
+            return raw.view(dt.torch()).reshape(shape)
+        if dt.torch_name is None or dt.name == "F4":
+            # No torch dtype (F6), or F4 with an odd last dimension: raw bytes only.
+            return raw
+        return raw.view(dt.torch()).reshape(info.shape)
+
+    def close(self) -> None:
+        """Release memory maps. Views handed out earlier must not be used afterwards."""
+        with self._lock:
+            for mm in self._maps.values():
+                # A view may still export the buffer; the map is then freed with the last view.
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            self._maps.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.root)!r}, {len(self)} tensors in {len(self.headers)} file(s))"

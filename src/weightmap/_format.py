@@ -1,0 +1,325 @@
+"""Reading and validating safetensors headers without touching tensor data.
+
+A header is validated completely before any offset in it is trusted: the size cap, UTF-8,
+strict JSON (no NaN, no duplicate keys, bounded nesting), string-only metadata, known dtypes,
+whole byte sizes, sizes that fit in a u64, and a data buffer that is indexed exactly (tensors
+back to back from 0, no holes, no overlaps, no trailing bytes). Each violation raises a
+:class:`~weightmap.errors.FormatError` whose ``rule`` names the broken rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec, numel
+from weightmap.errors import FormatError
+
+__all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
+
+# The reference implementation refuses larger headers; so do we, before allocating anything.
+MAX_HEADER_SIZE = 100_000_000
+# JSON nesting a valid header needs is 3 (object -> entry -> list); anything deeper is hostile.
+_MAX_DEPTH = 8
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a validated header. ``begin``/``end`` are relative to the data buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.end - self.begin
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The tensor's name, dtype and shape."""
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated safetensors header.
+
+    ``tensors`` maps names to :class:`TensorInfo` in data order. ``data_start`` is the file
+    offset of the data buffer (8 + header size); ``file_size`` is the size the header implies,
+    which equals the file's size when it was read.
+    """
+
+    path: str
+    header_size: int
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str] | None
+    file_size: int
+    mtime_ns: int = field(default=0, compare=False)
+
+    @property
+    def data_start(self) -> int:
+        """File offset where tensor data begins."""
+        return 8 + self.header_size
+
+
+def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> FormatError:
+    return FormatError(message, path=path, tensor=tensor, rule=rule)
+
+
+def _depth(value: object, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, stopping early past ``limit``."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if deepest > limit:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+    return deepest
+
+
+def _decode_json(raw: bytes, path: str) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(
+            path, "header-utf8", f"header is not valid UTF-8 (byte {exc.start} of the header)"
+        ) from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise _fail(path, "duplicate-name", f"name {key!r} appears twice in the header")
+            result[key] = value
+        return result
+
+    def no_constants(name: str) -> Any:
+        raise _fail(path, "header-json", f"header JSON contains {name}, which JSON does not allow")
+
+    # The JSON decoder is recursive: a header of nested brackets would exhaust the stack, so
+    # count brackets first. A valid header never nests deeper than 3.
+    depth = 0
+    in_string = False
+    escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > _MAX_DEPTH:
+                raise _fail(
+                    path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels"
+                )
+        elif ch in "]}":
+            depth -= 1
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except FormatError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise _fail(path, "header-json", f"header is not valid JSON ({exc})") from None
+
+
+def _int_list(value: object) -> list[int] | None:
+    # bool is an int subclass in Python; JSON true is not a dimension.
+    if not isinstance(value, list):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return None
+    return value
+
+
+def parse_header(
+    raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
+) -> Header:
+    """Validate the JSON header bytes of a file of ``file_size`` bytes.
+
+    ``raw`` is exactly the ``header_size`` bytes after the 8-byte length prefix. Raises a
+    :class:`FormatError` for the first rule the header breaks.
+    """
+    decoded = _decode_json(raw, path)
+    if not isinstance(decoded, dict):
+        raise _fail(path, "header-object", "header JSON is not an object")
+
+    metadata: dict[str, str] | None = None
+    infos: list[TensorInfo] = []
+    for name, entry in decoded.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise _fail(path, "metadata", "__metadata__ must map strings to strings only")
+            metadata = entry
+            continue
+        if not isinstance(entry, dict):
+            raise _fail(path, "tensor-entry", "entry is not an object", name)
+        keys = set(entry)
+        if keys != _TENSOR_KEYS:
+            missing = sorted(_TENSOR_KEYS - keys)
+            extra = sorted(keys - _TENSOR_KEYS)
+            detail = "; ".join(
+                part
+                for part in (
+                    f"missing {', '.join(missing)}" if missing else "",
+                    f"unexpected {', '.join(extra)}" if extra else "",
+                )
+                if part
+            )
+            raise _fail(path, "tensor-entry", f"entry keys are wrong ({detail})", name)
+        dtype_name = entry["dtype"]
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            known = ", ".join(DTYPES)
+            raise _fail(path, "dtype", f"unknown dtype {dtype_name!r} (known: {known})", name)
+        shape = _int_list(entry["shape"])
+        if shape is None or any(d < 0 for d in shape):
+            raise _fail(
+                path,
+                "shape",
+                f"shape {entry['shape']!r} is not a list of non-negative integers",
+                name,
+            )
+        offsets = _int_list(entry["data_offsets"])
+        if offsets is None or len(offsets) != 2 or offsets[0] < 0 or offsets[1] < 0:
+            raise _fail(
+                path,
+                "offsets",
+                f"data_offsets {entry['data_offsets']!r} is not a pair of non-negative integers",
+                name,
+            )
+        begin, end = offsets
+        if begin > end:
+            raise _fail(
+                path, "offsets", f"data_offsets [{begin}, {end}] end before they begin", name
+            )
+        if begin > U64_MAX or end > U64_MAX:
+            raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
+        count = numel(tuple(shape))
+        bits = count * DTYPES[dtype_name].bits
+        if count > U64_MAX or bits > U64_MAX:
+            raise _fail(
+                path, "overflow", f"shape {shape} has more elements than 64 bits can count", name
+            )
+        if bits % 8:
+            raise _fail(
+                path,
+                "byte-size",
+                f"{dtype_name} shape {shape} holds {bits} bits, which is not a whole number of "
+                "bytes",
+                name,
+            )
+        if end - begin != bits // 8:
+            raise _fail(
+                path,
+                "byte-size",
+                f"data_offsets span {end - begin} bytes but {dtype_name} shape {shape} needs "
+                f"{bits // 8}",
+                name,
+            )
+        infos.append(TensorInfo(name, dtype_name, tuple(shape), begin, end))
+
+    # Order by (begin, end) so empty tensors sit before a non-empty one at the same offset.
+    infos.sort(key=lambda t: (t.begin, t.end))
+    position = 0
+    for info in infos:
+        if info.begin > position:
+            raise _fail(
+                path,
+                "hole",
+                f"data starts at {info.begin} but the previous tensor ends at {position}: "
+                "the data buffer has a hole",
+                info.name,
+            )
+        if info.begin < position:
+            raise _fail(
+                path,
+                "overlap",
+                f"data [{info.begin}, {info.end}) overlaps the previous tensor (ends at "
+                f"{position})",
+                info.name,
+            )
+        position = info.end
+    expected = 8 + header_size + position
+    if expected < file_size:
+        raise _fail(
+            path,
+            "trailing-bytes",
+            f"file has {file_size - expected} bytes after the last tensor's data",
+        )
+    if expected > file_size:
+        raise _fail(
+            path,
+            "truncated",
+            f"header describes {expected} bytes but the file has {file_size}: it is truncated",
+        )
+    return Header(
+        path=path,
+        header_size=header_size,
+        tensors=MappingProxyType({t.name: t for t in infos}),
+        metadata=None if metadata is None else MappingProxyType(dict(metadata)),
+        file_size=file_size,
+        mtime_ns=mtime_ns,
+    )
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of a safetensors file, reading no tensor data.
+
+    >>> read_header("examples/eagle3-speculators/model.safetensors").tensors["d2t"].dtype
+    'I64'
+    """
+    p = os.fspath(path)
+    try:
+        with Path(p).open("rb") as f:
+            st = os.fstat(f.fileno())
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _fail(
+                    p,
+                    "too-small",
+                    f"file has {len(prefix)} bytes; a safetensors file needs "
+                    "at least 8 (the header length)",
+                )
+            (size,) = struct.unpack("<Q", prefix)
+            if size > MAX_HEADER_SIZE:
+                raise _fail(
+                    p,
+                    "header-too-large",
+                    f"header length {size} exceeds the {MAX_HEADER_SIZE}-byte cap",
+                )
+            if 8 + size > st.st_size:
+                raise _fail(
+                    p,
+                    "header-beyond-file",
+                    f"header length {size} runs past the end of the {st.st_size}-byte file",
+                )
+            raw = f.read(size)
+    except FileNotFoundError:
+        raise _fail(p, "missing", "file does not exist") from None
+    except IsADirectoryError:
+        raise _fail(p, "not-a-file", "is a directory, not a safetensors file") from None
+    if len(raw) != size:
+        raise _fail(p, "truncated", "file shrank while its header was being read")
+    return parse_header(
+        raw, header_size=size, file_size=st.st_size, path=p, mtime_ns=st.st_mtime_ns
+    )

@@ -1,0 +1,189 @@
+"""Header validation: a table of malformed files, each with its specific rule, and valid edges."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightmap._format import MAX_HEADER_SIZE, read_header
+from weightmap.errors import FormatError
+
+from sftools import entry, header_bytes, write_raw
+
+F32x2 = entry("F32", [2], 0, 8)
+
+# (id, header (dict or raw bytes), data, expected rule, text the message must contain)
+MALFORMED: list[tuple[str, Any, bytes, str, str]] = [
+    ("not-utf8", b'{"a\xff\xfe":1}', b"", "header-utf8", "not valid UTF-8"),
+    ("not-json", b'{"a": ', b"", "header-json", "not valid JSON"),
+    ("trailing-garbage", b'{"a": 1} xx', b"", "header-json", "not valid JSON"),
+    (
+        "nan",
+        b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 0]}}',
+        b"",
+        "header-json",
+        "NaN",
+    ),
+    (
+        "deep-nesting",
+        b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        b"",
+        "header-json",
+        "nests deeper",
+    ),
+    ("not-object", b"[1, 2]", b"", "header-object", "not an object"),
+    (
+        "duplicate-name",
+        b'{"w": '
+        + b'{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
+        + b', "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}',
+        b"\0\0",
+        "duplicate-name",
+        "appears twice",
+    ),
+    ("metadata-not-string", {"__metadata__": {"step": 5}}, b"", "metadata", "strings"),
+    ("metadata-not-object", {"__metadata__": ["a"]}, b"", "metadata", "strings"),
+    ("entry-not-object", {"w": [1, 2]}, b"", "tensor-entry", "not an object"),
+    (
+        "entry-missing-key",
+        {"w": {"dtype": "F32", "shape": [2]}},
+        b"\0" * 8,
+        "tensor-entry",
+        "missing data_offsets",
+    ),
+    (
+        "entry-extra-key",
+        {"w": {**F32x2, "stride": [1]}},
+        b"\0" * 8,
+        "tensor-entry",
+        "unexpected stride",
+    ),
+    ("unknown-dtype", {"w": entry("F31", [2], 0, 8)}, b"\0" * 8, "dtype", "unknown dtype 'F31'"),
+    ("dtype-not-string", {"w": {**F32x2, "dtype": 32}}, b"\0" * 8, "dtype", "unknown dtype 32"),
+    ("negative-dim", {"w": entry("F32", [-2], 0, 8)}, b"\0" * 8, "shape", "non-negative"),
+    ("bool-dim", {"w": entry("F32", [True, 2], 0, 8)}, b"\0" * 8, "shape", "non-negative"),
+    ("float-dim", {"w": {**F32x2, "shape": [2.0]}}, b"\0" * 8, "shape", "non-negative"),
+    ("offsets-triple", {"w": {**F32x2, "data_offsets": [0, 4, 8]}}, b"\0" * 8, "offsets", "pair"),
+    ("offsets-negative", {"w": entry("F32", [0], -4, -4)}, b"", "offsets", "non-negative"),
+    ("offsets-reversed", {"w": entry("F32", [2], 8, 0)}, b"\0" * 8, "offsets", "end before"),
+    ("size-mismatch", {"w": entry("F32", [3], 0, 8)}, b"\0" * 8, "byte-size", "needs 12"),
+    ("sub-byte", {"w": entry("F4", [3], 0, 2)}, b"\0\0", "byte-size", "whole number"),
+    ("overflow", {"w": entry("F64", [2**32, 2**32, 2], 0, 8)}, b"\0" * 8, "overflow", "64 bits"),
+    ("offset-overflow", {"w": entry("U8", [0], 2**64, 2**64)}, b"", "overflow", "64 bits"),
+    ("hole", {"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 4, 6)}, b"\0" * 6, "hole", "hole"),
+    (
+        "overlap",
+        {"a": entry("U8", [4], 0, 4), "b": entry("U8", [2], 2, 4)},
+        b"\0" * 4,
+        "overlap",
+        "overlaps",
+    ),
+    ("start-not-zero", {"a": entry("U8", [2], 2, 4)}, b"\0" * 4, "hole", "hole"),
+    ("trailing-bytes", {"w": F32x2}, b"\0" * 12, "trailing-bytes", "4 bytes after"),
+    ("truncated-data", {"w": F32x2}, b"\0" * 5, "truncated", "truncated"),
+]
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "rule", "text"),
+    [case[1:] for case in MALFORMED],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_malformed_header(tmp_path: Path, header: Any, data: bytes, rule: str, text: str) -> None:
+    path = write_raw(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(FormatError) as info:
+        read_header(path)
+    assert info.value.rule == rule
+    assert text in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_malformed_table_is_large() -> None:
+    assert len(MALFORMED) >= 20
+    assert len({c[0] for c in MALFORMED}) == len(MALFORMED)
+
+
+def test_error_names_the_tensor(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "x.safetensors", {"layers.3.w": entry("F32", [3], 0, 8)}, b"\0" * 8)
+    with pytest.raises(FormatError, match=r"tensor 'layers.3.w'") as info:
+        read_header(path)
+    assert info.value.tensor == "layers.3.w"
+
+
+@pytest.mark.parametrize(
+    ("raw", "rule"),
+    [
+        (b"\x01\x02\x03", "too-small"),
+        (struct.pack("<Q", MAX_HEADER_SIZE + 1) + b"{}", "header-too-large"),
+        (struct.pack("<Q", 1000) + b"{}      ", "header-beyond-file"),
+        (struct.pack("<Q", 2**64 - 1), "header-too-large"),
+    ],
+    ids=["too-small", "header-too-large", "header-beyond-file", "u64-max-length"],
+)
+def test_malformed_prefix(tmp_path: Path, raw: bytes, rule: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(FormatError) as info:
+        read_header(path)
+    assert info.value.rule == rule
+
+
+def test_missing_file_and_directory(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="does not exist"):
+        read_header(tmp_path / "nope.safetensors")
+    with pytest.raises(FormatError, match="directory"):
+        read_header(tmp_path)
+
+
+def test_valid_edges(tmp_path: Path) -> None:
+    header = {
+        "__metadata__": {"format": "pt"},
+        "scalar": entry("F32", [], 0, 4),
+        "empty": entry("F16", [0, 3], 4, 4),
+        "empty2": entry("I64", [5, 0], 4, 4),
+        "fp4": entry("F4", [2, 3], 4, 7),
+        "f6": entry("F6_E2M3", [4], 7, 10),
+    }
+    path = write_raw(tmp_path / "ok.safetensors", header, b"\0" * 10)
+    h = read_header(path)
+    assert set(h.tensors) == {"scalar", "empty", "empty2", "fp4", "f6"}
+    assert h.tensors["scalar"].shape == ()
+    assert h.tensors["fp4"].nbytes == 3
+    assert h.metadata == {"format": "pt"}
+    assert h.data_start == 8 + h.header_size
+
+
+def test_whitespace_padding_before_and_after(tmp_path: Path) -> None:
+    raw = b"   \n" + b'{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}' + b"\t  "
+    path = write_raw(tmp_path / "pad.safetensors", raw, b"\x07", pad=False)
+    assert read_header(path).tensors["w"].nbytes == 1
+
+
+def test_empty_checkpoint_file(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "empty.safetensors", {})
+    assert dict(read_header(path).tensors) == {}
+
+
+def test_reads_reference_files(tmp_path: Path) -> None:
+    tensors = {
+        "a": torch.zeros(3, 4, dtype=torch.bfloat16),
+        "b": torch.arange(5, dtype=torch.int64),
+        "c": torch.zeros((), dtype=torch.float8_e4m3fn),
+    }
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"k": "v"})
+    h = read_header(tmp_path / "ref.safetensors")
+    assert {n: (t.dtype, t.shape) for n, t in h.tensors.items()} == {
+        "a": ("BF16", (3, 4)),
+        "b": ("I64", (5,)),
+        "c": ("F8_E4M3", ()),
+    }
+
+
+def test_header_prefix_helper_roundtrip() -> None:
+    raw = header_bytes({"a": 1})
+    assert struct.unpack("<Q", raw[:8])[0] % 8 == 0
