@@ -1,0 +1,457 @@
+"""Writing a sharded safetensors checkpoint atomically, from bytes that arrive in any order.
+
+The writer is told every output tensor (name, dtype, shape) up front, so it can plan the
+shards and write each header before any data, exactly as the reference writer lays them out.
+Data then arrives in chunks at planned offsets, from several threads, either as bytes or as a
+byte range of another file copied in the kernel. Everything is written inside a temporary
+sibling folder that is moved into place only after every byte is written and fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap._dtypes import DTYPES, TensorSpec
+from weightmap.errors import ExecutionError, OutputExistsError
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "TMP_MARKER",
+    "CheckpointWriter",
+    "ShardPlan",
+    "build_header",
+    "parse_size",
+    "plan_shards",
+]
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Temporary folders are named `.<dest>.weightmap-tmp-<pid>-<token>`: recognisable, so a later
+# run or `weightmap clean` can find and remove what a killed run left behind.
+TMP_MARKER = ".weightmap-tmp-"
+_COPY_CHUNK = 64 * 1024 * 1024
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a size such as ``"5GB"`` (decimal units, as the hub uses) or ``"512MiB"``.
+
+    >>> parse_size("5GB"), parse_size("1.5KiB"), parse_size(100)
+    (5000000000, 1536, 100)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = _SIZE_RE.match(str(size))
+        unit = m.group(2).upper() if m else ""
+        if not m or unit not in _UNITS:
+            raise ValueError(
+                f"cannot parse size {size!r}: use a number with a unit such as 500MB, 5GB or 2GiB"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+def _layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    # The reference writer's order: descending dtype rank, then name.
+    return sorted(specs, key=lambda s: (-DTYPES[s.dtype].rank, s.name))
+
+
+def build_header(
+    specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Lay out one file: the padded JSON header and each tensor's data offsets.
+
+    The layout is the reference writer's (descending dtype rank, then name; header padded with
+    spaces to a multiple of 8), so the same tensors and metadata give the same bytes. Metadata
+    keys are written sorted, where the reference writer's order varies from run to run.
+    """
+    entries: dict[str, Any] = {}
+    if metadata:
+        entries["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    offsets: dict[str, tuple[int, int]] = {}
+    position = 0
+    for spec in _layout_order(specs):
+        size = spec.nbytes
+        offsets[spec.name] = (position, position + size)
+        entries[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [position, position + size],
+        }
+        position += size
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, offsets
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One output file: its name, header bytes, and each tensor's absolute file offset."""
+
+    filename: str
+    header: bytes
+    offsets: Mapping[str, tuple[int, int]]  # absolute [begin, end) in the file
+    size: int
+
+
+def plan_shards(
+    specs: Sequence[TensorSpec],
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+) -> list[ShardPlan]:
+    """Split tensors into shards greedily, in the given order, up to ``max_shard_size``.
+
+    A tensor larger than the limit gets a shard of its own. One shard is named
+    ``model.safetensors``; several are ``model-00001-of-0000N.safetensors``.
+    """
+    limit = parse_size(max_shard_size)
+    groups: list[list[TensorSpec]] = [[]]
+    current = 0
+    for spec in specs:
+        size = spec.nbytes
+        if groups[-1] and current + size > limit:
+            groups.append([])
+            current = 0
+        groups[-1].append(spec)
+        current += size
+    n = len(groups)
+    plans = []
+    for i, group in enumerate(groups, 1):
+        header, rel = build_header(group, metadata)
+        name = SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        base = len(header)
+        offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
+        size = base + sum(s.nbytes for s in group)
+        plans.append(ShardPlan(name, header, offsets, size))
+    return plans
+
+
+# -- atomic rename -----------------------------------------------------------------------------
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2; False where unavailable (other systems, old kernels, some filesystems)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_within(child: Path, parent: Path) -> bool:
+    try:
+        child.resolve().relative_to(parent.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+class CheckpointWriter:
+    """Write a checkpoint into ``dest`` atomically.
+
+    Use as a context manager: on a clean exit the output is committed (moved into place); on an
+    exception everything temporary is removed and ``dest`` is left as it was.
+
+    >>> specs = [TensorSpec("w", "F32", (2,))]
+    >>> with CheckpointWriter(tmp / "out", specs) as w:       # doctest: +SKIP
+    ...     w.write("w", b"\\0" * 8)
+    """
+
+    def __init__(
+        self,
+        dest: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        *,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        metadata: Mapping[str, str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        protect: Iterable[str | os.PathLike[str]] = (),
+    ) -> None:
+        self.dest = Path(dest)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
+        for p in protect:
+            if _is_within(Path(p), self.dest):
+                raise OutputExistsError(
+                    f"{self.dest}: the destination holds the input ({p}); choose another folder "
+                    "(in-place mode rewrites headers without a destination)"
+                )
+        if self.dest.exists() and not overwrite:
+            raise OutputExistsError(
+                f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+        if not self.dest.parent.is_dir():
+            raise ExecutionError(f"{self.dest.parent}: the destination's parent folder is missing")
+        self.overwrite = overwrite
+        self.config = None if config is None else dict(config)
+        self.shards = plan_shards(specs, max_shard_size, metadata)
+        self._specs = {s.name: s for s in specs}
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard idx, begin, end)
+        for i, shard in enumerate(self.shards):
+            for name, (b, e) in shard.offsets.items():
+                self._where[name] = (i, b, e)
+        self._written = dict.fromkeys(self._specs, 0)
+        self._lock = threading.Lock()
+        self._fds: list[int] = []
+        self._files: dict[str, bytes] = {}
+        self.tmp: Path | None = None
+        self.committed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> CheckpointWriter:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def open(self) -> None:
+        """Create the temporary folder and every shard with its header, sized in full."""
+        token = secrets.token_hex(4)
+        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{os.getpid()}-{token}"
+        try:
+            self.tmp.mkdir()
+            for shard in self.shards:
+                fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self._fds.append(fd)
+                self._pwrite_all(fd, shard.header, 0)
+                # Reserve the space now so a full disk fails here, before minutes of copying.
+                try:
+                    os.posix_fallocate(fd, 0, shard.size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.ftruncate(fd, shard.size)
+        except OSError as exc:
+            self.abort()
+            raise ExecutionError(f"{self.dest}: cannot create the output ({exc})") from exc
+
+    def abort(self) -> None:
+        """Close and remove everything temporary; ``dest`` is untouched."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+        if self.tmp is not None and self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp = None
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def target(self, name: str) -> tuple[int, int, int]:
+        """``(fd, file offset, length)`` of tensor ``name`` in its output shard."""
+        shard, begin, end = self._where[name]
+        return self._fds[shard], begin, end - begin
+
+    def _check(self, name: str, offset: int, length: int) -> tuple[int, int]:
+        fd, begin, size = self.target(name)
+        if offset < 0 or offset + length > size:
+            raise ValueError(
+                f"write of {length} bytes at {offset} falls outside tensor {name!r} ({size} bytes)"
+            )
+        return fd, begin + offset
+
+    def _done(self, name: str, length: int) -> None:
+        with self._lock:
+            self._written[name] += length
+
+    @staticmethod
+    def _pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(fd, view, position)
+            view = view[n:]
+            position += n
+
+    def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
+        """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it."""
+        length = memoryview(data).nbytes
+        fd, position = self._check(name, offset, length)
+        self._pwrite_all(fd, data, position)
+        self._done(name, length)
+
+    def copy_range(
+        self, name: str, src_fd: int, src_offset: int, length: int, offset: int = 0
+    ) -> None:
+        """Copy ``length`` bytes of another file into tensor ``name``, in the kernel if possible."""
+        fd, position = self._check(name, offset, length)
+        remaining = length
+        use_kernel = hasattr(os, "copy_file_range")
+        while remaining:
+            n = 0
+            if use_kernel:
+                try:
+                    n = os.copy_file_range(src_fd, fd, remaining, src_offset, position)
+                except OSError as exc:
+                    if exc.errno not in (
+                        errno.EXDEV,
+                        errno.ENOSYS,
+                        errno.EOPNOTSUPP,
+                        errno.EINVAL,
+                        errno.EBADF,
+                    ):
+                        raise
+                    use_kernel = False
+            if not use_kernel:
+                # Bounded chunks through user space, where the kernel copy is unavailable.
+                chunk = os.pread(src_fd, min(remaining, _COPY_CHUNK), src_offset)
+                self._pwrite_all(fd, chunk, position)
+                n = len(chunk)
+            if n == 0:
+                raise ExecutionError(
+                    f"source ended early while copying tensor {name!r}: the input changed or is "
+                    "truncated"
+                )
+            remaining -= n
+            src_offset += n
+            position += n
+        self._done(name, length)
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """Add a small extra file (written at commit), e.g. a copied tokenizer file."""
+        if (
+            "/" in name
+            or name in (".", "..", INDEX_NAME, CONFIG_NAME)
+            or name.endswith(".safetensors")
+        ):
+            raise ValueError(f"cannot add file {name!r} to the output")
+        self._files[name] = data
+
+    # -- commit ----------------------------------------------------------------------------------
+
+    def _write_small(self, name: str, data: bytes) -> None:
+        assert self.tmp is not None
+        fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._pwrite_all(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self) -> Path:
+        """Check every byte arrived, fsync, and move the output into place."""
+        if self.tmp is None:
+            raise ExecutionError(f"{self.dest}: the writer is not open")
+        try:
+            short = [n for n, w in self._written.items() if w != self._specs[n].nbytes]
+            if short:
+                raise ExecutionError(
+                    f"{self.dest}: {len(short)} tensor(s) were not written in full "
+                    f"(first: {short[0]!r}); nothing was committed"
+                )
+            for fd in self._fds:
+                os.fsync(fd)
+                os.close(fd)
+            self._fds.clear()
+            if len(self.shards) > 1:
+                weight_map = {
+                    name: shard.filename for shard in self.shards for name in shard.offsets
+                }
+                index = {
+                    "metadata": {"total_size": sum(s.nbytes for s in self._specs.values())},
+                    "weight_map": weight_map,
+                }
+                data = json.dumps(index, indent=2, sort_keys=True) + "\n"
+                self._write_small(INDEX_NAME, data.encode())
+            if self.config is not None:
+                text = json.dumps(self.config, indent=2, ensure_ascii=False) + "\n"
+                self._write_small(CONFIG_NAME, text.encode("utf-8"))
+            for name, blob in self._files.items():
+                self._write_small(name, blob)
+            _fsync_dir(self.tmp)
+            self._move_into_place(self.tmp)
+        except BaseException:
+            self.abort()
+            raise
+        self.tmp = None
+        self.committed = True
+        return self.dest
+
+    def _move_into_place(self, tmp: Path) -> None:
+        dest = self.dest
+        try:
+            if not dest.exists() and not dest.is_symlink():
+                # NOREPLACE: a run that finished first into the same destination wins; we refuse.
+                if not _renameat2(tmp, dest, _RENAME_NOREPLACE):
+                    if dest.exists():
+                        raise FileExistsError(errno.EEXIST, "exists", str(dest))
+                    os.rename(tmp, dest)
+            elif not self.overwrite:
+                raise FileExistsError(errno.EEXIST, "exists", str(dest))
+            elif _renameat2(tmp, dest, _RENAME_EXCHANGE):
+                # The old destination now sits at the temporary name; remove it.
+                shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
+            else:
+                old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
+                os.rename(dest, old)
+                os.rename(tmp, dest)
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        except FileExistsError:
+            raise OutputExistsError(
+                f"{dest} appeared while this conversion ran (another run into the same "
+                "destination?); it was left as it is and this output was discarded"
+            ) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise OutputExistsError(
+                    f"{dest} appeared while this conversion ran; it was left as it is"
+                ) from None
+            raise
+        _fsync_dir(dest.parent)

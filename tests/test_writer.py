@@ -1,0 +1,281 @@
+"""The writer: byte identity with the reference, sharding, atomic and safe output."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save, save_file
+
+from weightmap._checkpoint import Checkpoint
+from weightmap._dtypes import DTYPES, TensorSpec
+from weightmap._writer import TMP_MARKER, CheckpointWriter, parse_size, plan_shards
+from weightmap.errors import ExecutionError, OutputExistsError
+
+TORCH_DTYPES = {name: d.torch() for name, d in DTYPES.items() if d.torch_name and name != "F4"}
+
+
+def _spec(name: str, t: torch.Tensor) -> TensorSpec:
+    code = next(k for k, v in TORCH_DTYPES.items() if v == t.dtype)
+    return TensorSpec(name, code, tuple(t.shape))
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def write_tensors(dest: Path, tensors: Mapping[str, torch.Tensor], **kw: object) -> Path:
+    specs = [_spec(n, t) for n, t in tensors.items()]
+    with CheckpointWriter(dest, specs, **kw) as w:  # type: ignore[arg-type]
+        for name, t in tensors.items():
+            w.write(name, _raw(t))
+    return dest
+
+
+def _all_dtype_tensors() -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (code, dt) in enumerate(sorted(TORCH_DTYPES.items())):
+        base = torch.arange(6, dtype=torch.float32).reshape(2, 3) + i
+        out[f"t.{code.lower()}"] = base.to(dt)
+    out["scalar"] = torch.tensor(3.5)
+    out["empty"] = torch.zeros(0, 4, dtype=torch.float16)
+    return out
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_byte_identical_to_reference(tmp_path: Path, metadata: dict[str, str] | None) -> None:
+    tensors = _all_dtype_tensors()
+    write_tensors(tmp_path / "out", tensors, metadata=metadata)
+    save_file(tensors, tmp_path / "ref.safetensors", metadata=metadata)
+    ours = (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_example_rewritten_byte_identical(example: Path, tmp_path: Path) -> None:
+    with Checkpoint.open(example) as ckpt:
+        tensors = {n: ckpt.view(n).clone() for n in ckpt}
+        meta = dict(ckpt.headers[ckpt.files[0]].metadata or {})
+    write_tensors(tmp_path / "out", tensors, metadata=meta)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        example / "model.safetensors"
+    ).read_bytes()
+
+
+names = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12
+).filter(lambda s: s != "__metadata__")
+shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def checkpoints(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    keys = draw(st.lists(names, min_size=0, max_size=6, unique=True))
+    out = {}
+    for k in keys:
+        code = draw(st.sampled_from(sorted(TORCH_DTYPES)))
+        shape = draw(shapes)
+        n = 1
+        for d in shape:
+            n *= d
+        raw = draw(
+            st.binary(min_size=n * DTYPES[code].itemsize, max_size=n * DTYPES[code].itemsize)
+        )
+        out[k] = (
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            .view(TORCH_DTYPES[code])
+            .reshape(shape)
+            if n
+            else torch.zeros(shape, dtype=TORCH_DTYPES[code])
+        )
+    return out
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(tensors=checkpoints())
+def test_hypothesis_matches_reference(
+    tmp_path_factory: pytest.TempPathFactory, tensors: dict[str, torch.Tensor]
+) -> None:
+    out = tmp_path_factory.mktemp("h") / "out"
+    write_tensors(out, tensors, metadata={"format": "pt"})
+    ours = (out / "model.safetensors").read_bytes()
+    assert ours == save(tensors, metadata={"format": "pt"})
+    back = load_file(out / "model.safetensors")
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape
+        assert _raw(back[k]) == _raw(t)
+
+
+def test_sharded_round_trip(tmp_path: Path) -> None:
+    tensors = {f"layer.{i}.w": torch.full((250,), float(i)) for i in range(10)}  # 1000 B each
+    write_tensors(tmp_path / "out", tensors, max_shard_size="2500B")
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == [
+        "model-00001-of-00005.safetensors",
+        "model-00002-of-00005.safetensors",
+        "model-00003-of-00005.safetensors",
+        "model-00004-of-00005.safetensors",
+        "model-00005-of-00005.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 10_000
+    assert index["weight_map"]["layer.2.w"] == "model-00002-of-00005.safetensors"
+    with Checkpoint.open(tmp_path / "out") as ckpt:
+        assert sorted(ckpt) == sorted(tensors)
+        for k, t in tensors.items():
+            assert torch.equal(ckpt.view(k), t)
+
+
+def test_plan_shards_big_tensor_alone() -> None:
+    specs = [
+        TensorSpec("a", "U8", (10,)),
+        TensorSpec("big", "U8", (100,)),
+        TensorSpec("b", "U8", (10,)),
+        TensorSpec("c", "U8", (10,)),
+    ]
+    plans = plan_shards(specs, 25)
+    assert [sorted(p.offsets) for p in plans] == [["a"], ["big"], ["b", "c"]]
+    assert plan_shards(specs, "1GB")[0].filename == "model.safetensors"
+
+
+def test_threads_write_chunks_in_any_order(tmp_path: Path) -> None:
+    tensors = {f"w{i}": torch.randn(64, 33) for i in range(8)}
+    specs = [_spec(n, t) for n, t in tensors.items()]
+    jobs = []
+    for name, t in tensors.items():
+        raw = _raw(t)
+        jobs += [(name, raw[o : o + 100], o) for o in range(0, len(raw), 100)]
+    random.Random(0).shuffle(jobs)
+    with CheckpointWriter(tmp_path / "out", specs) as w, ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda j: w.write(j[0], j[1], j[2]), jobs))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == save(tensors)
+
+
+def test_copy_range_from_file(tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 4)
+    spec = TensorSpec("w", "U8", (512,))
+    import os
+
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with CheckpointWriter(tmp_path / "out", [spec]) as w:
+            w.copy_range("w", fd, 256, 300)
+            w.copy_range("w", fd, 0, 212, offset=300)
+    finally:
+        os.close(fd)
+    data = load_file(tmp_path / "out" / "model.safetensors")["w"].numpy().tobytes()
+    assert data == (bytes(range(256)) * 4)[256:556] + (bytes(range(256)) * 4)[:212]
+
+
+def test_config_written(tmp_path: Path) -> None:
+    write_tensors(tmp_path / "out", {"a": torch.zeros(1)}, config={"x": [1, 2], "é": None})
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"x": [1, 2], "é": None}
+
+
+def test_existing_destination_refused_then_overwritten(tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        write_tensors(dest, {"a": torch.zeros(1)})
+    assert (dest / "keep.txt").read_text() == "old"
+    write_tensors(dest, {"a": torch.ones(1)}, overwrite=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]
+    assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
+
+
+def test_destination_holding_the_input_is_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(1)}, tmp_path / "model.safetensors")
+    with pytest.raises(OutputExistsError, match="holds the input"):
+        write_tensors(
+            tmp_path,
+            {"a": torch.zeros(1)},
+            overwrite=True,
+            protect=[tmp_path / "model.safetensors"],
+        )
+    with pytest.raises(OutputExistsError, match="holds the input"):
+        write_tensors(
+            tmp_path.parent,
+            {"a": torch.zeros(1)},
+            overwrite=True,
+            protect=[tmp_path / "model.safetensors"],
+        )
+    assert load_file(tmp_path / "model.safetensors")["a"].shape == (1,)
+
+
+def test_exception_leaves_nothing(tmp_path: Path) -> None:
+    spec = TensorSpec("a", "F32", (4,))
+    with pytest.raises(RuntimeError, match="boom"), CheckpointWriter(tmp_path / "out", [spec]):
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_incomplete_write_is_not_committed(tmp_path: Path) -> None:
+    spec = TensorSpec("a", "F32", (4,))
+    with (
+        pytest.raises(ExecutionError, match="not written in full"),
+        CheckpointWriter(tmp_path / "out", [spec]) as w,
+    ):
+        w.write("a", b"\0" * 8)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_outside_tensor_refused(tmp_path: Path) -> None:
+    spec = TensorSpec("a", "F32", (2,))
+    w = CheckpointWriter(tmp_path / "out", [spec])
+    w.open()
+    with pytest.raises(ValueError, match="outside tensor 'a'"):
+        w.write("a", b"\0" * 8, offset=4)
+    w.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_duplicate_output_names_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="repeat: a"):
+        CheckpointWriter(tmp_path / "out", [TensorSpec("a", "U8", (1,))] * 2)
+
+
+def test_destination_created_meanwhile_wins(tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    spec = TensorSpec("a", "U8", (1,))
+    w = CheckpointWriter(dest, [spec])
+    w.open()
+    w.write("a", b"\1")
+    write_tensors(dest, {"b": torch.zeros(1)})  # another run finishes first
+    with pytest.raises(OutputExistsError, match="appeared"):
+        w.commit()
+    assert sorted(Checkpoint.open(dest)) == ["b"]
+    assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 5 * 10**8),
+        ("2GiB", 2 * 2**30),
+        ("100", 100),
+        ("1.5kb", 1500),
+        (" 7 B ", 7),
+        (42, 42),
+    ],
+)
+def test_parse_size(text: str | int, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["5XB", "GB", "-1GB", "0", "", "1e9"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
