@@ -1,0 +1,398 @@
+"""The mapping language's syntax tree: immutable values with source locations.
+
+The parser (``_parse.py``) builds these from text; the compiler (``_compile.py``) reads them;
+``_unparse.py`` writes them back as text (used by ``Mapping.inverse()``). Every node carries a
+:class:`Loc` so that any later error can point at the rule that caused it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+__all__ = [
+    "Alt",
+    "Attr",
+    "BinOp",
+    "Call",
+    "Capture",
+    "CfgDelete",
+    "CfgIf",
+    "CfgLift",
+    "CfgMove",
+    "CfgSet",
+    "CfgStmt",
+    "Comp",
+    "ConfigBlock",
+    "ConfigRef",
+    "DictExpr",
+    "Exists",
+    "Expr",
+    "Glob",
+    "If",
+    "Include",
+    "Index",
+    "ListExpr",
+    "Lit",
+    "Loc",
+    "Name",
+    "Param",
+    "Pattern",
+    "Program",
+    "Require",
+    "Rule",
+    "Stmt",
+    "Template",
+    "Unary",
+    "Unmatched",
+    "Warn",
+]
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A position in a mapping source: file name (or ``<string>``), 1-based line and column."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+NOWHERE = Loc("<generated>", 0, 0)
+
+# ---------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lit:
+    """A literal: int, float, string, bool or null (None)."""
+
+    value: int | float | str | bool | None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Name:
+    """A bare name: a capture, a tensor property, a parameter, a local or a dtype alias."""
+
+    id: str
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigRef:
+    """The word ``config``: the whole config object."""
+
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attr:
+    """``obj.name``: a field of a config object."""
+
+    obj: Expr
+    name: str
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Index:
+    """``obj[index]``: a list element or an object field by string key."""
+
+    obj: Expr
+    index: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    """``func(args)``: one of the built-in functions (len, has, min, max)."""
+
+    func: str
+    args: tuple[Expr, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unary:
+    """``-x`` or ``not x``."""
+
+    op: Literal["-", "not"]
+    operand: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BinOp:
+    """A binary operator: arithmetic, comparison, ``in``/``not in``, ``and``/``or``."""
+
+    op: str
+    left: Expr
+    right: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListExpr:
+    """``[a, b, c]``."""
+
+    items: tuple[Expr, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DictExpr:
+    """``{"key": value, ...}``: an object literal for config values."""
+
+    items: tuple[tuple[str, Expr], ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comp:
+    """``[elt for var in iterable if cond]``."""
+
+    elt: Expr
+    var: str
+    iterable: Expr
+    cond: Expr | None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exists:
+    """``exists "pattern"``: true when at least one input tensor matches the pattern."""
+
+    pattern: Pattern
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+Expr = Union[Lit, Name, ConfigRef, Attr, Index, Call, Unary, BinOp, ListExpr, DictExpr, Comp, Exists]
+
+# ---------------------------------------------------------------- patterns and templates
+
+CaptureKind = Literal["seg", "multi", "int", "alt"]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A named hole in a pattern: ``{x}`` seg, ``{x*}`` multi, ``{x:int}``, ``{x:a,b}`` alt."""
+
+    name: str
+    kind: CaptureKind
+    alts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Alt:
+    """An anonymous alternative ``{a,b}``: matches one of the words, captured by no name."""
+
+    alts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Glob:
+    """``*`` (within one dotted segment) or ``**`` (across segments)."""
+
+    multi: bool
+
+
+PatPart = Union[str, Capture, Alt, Glob]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pattern:
+    """A tensor-name pattern; ``parts`` alternates literal text and holes."""
+
+    text: str
+    parts: tuple[PatPart, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+    @property
+    def is_literal(self) -> bool:
+        """True when the pattern names exactly one tensor (no holes)."""
+        return all(isinstance(p, str) for p in self.parts)
+
+    @property
+    def captures(self) -> tuple[Capture, ...]:
+        """The named captures, in order of appearance."""
+        return tuple(p for p in self.parts if isinstance(p, Capture))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Template:
+    """An output name or message: literal text and ``{expression}`` holes."""
+
+    text: str
+    parts: tuple[str | Expr, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+# ---------------------------------------------------------------- statements
+
+
+@dataclass(frozen=True, kw_only=True)
+class Param:
+    """``param name = default``."""
+
+    name: str
+    default: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Include:
+    """``include "preset-or-file"``: the named program's statements are spliced in here."""
+
+    target: str
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unmatched:
+    """``unmatched error|keep|drop``: the fate of inputs that no rule consumed."""
+
+    policy: Literal["error", "keep", "drop"]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Require:
+    """``require cond else "message"``: the mapping refuses inputs where cond is false."""
+
+    cond: Expr
+    message: Template
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Warn:
+    """``warn if cond "message"``: a non-fatal message recorded in the plan."""
+
+    cond: Expr | None
+    message: Template
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+RuleOp = Literal[
+    "rename",
+    "keep",
+    "drop",
+    "split",
+    "chunk",
+    "merge",
+    "stack",
+    "unstack",
+    "transpose",
+    "permute",
+    "reshape",
+    "cast",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A tensor rule. Which optional fields are set depends on ``op``.
+
+    ``dim``: split/chunk/merge/stack/unstack; ``sizes``: split/merge; ``over``: stack;
+    ``dims``: transpose/permute; ``from_shape``/``to_shape``: reshape;
+    ``from_dtype``/``to_dtype``: cast.
+    """
+
+    op: RuleOp
+    optional: bool
+    patterns: tuple[Pattern, ...]
+    outputs: tuple[Template, ...]
+    where: Expr | None = None
+    dim: Expr | None = None
+    sizes: Expr | None = None
+    over: str | None = None
+    dims: Expr | None = None
+    from_shape: Expr | None = None
+    to_shape: Expr | None = None
+    from_dtype: str | None = None
+    to_dtype: str | None = None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfgSet:
+    """``path = value``: set a field, creating intermediate objects."""
+
+    path: tuple[str, ...]
+    value: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfgDelete:
+    """``delete a, b.c [if cond]``; ``delete?`` tolerates absent fields."""
+
+    paths: tuple[tuple[str, ...], ...]
+    optional: bool
+    cond: Expr | None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfgMove:
+    """``move a.b -> c``: rename a field (the destination must be free)."""
+
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfgLift:
+    """``lift obj [overwrite]``: move the fields of a nested object to the top level."""
+
+    path: tuple[str, ...]
+    overwrite: bool
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CfgIf:
+    """``if cond { ... } else { ... }`` inside a config block."""
+
+    cond: Expr
+    then: tuple[CfgStmt, ...]
+    orelse: tuple[CfgStmt, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+CfgStmt = Union[CfgSet, CfgDelete, CfgMove, CfgLift, CfgIf]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigBlock:
+    """``config { ... }``: edits applied in order to the output config."""
+
+    stmts: tuple[CfgStmt, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class If:
+    """``if cond { ... } else { ... }`` at the top level (cond over params, config, exists)."""
+
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+Stmt = Union[Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Program:
+    """A parsed mapping file: its language version and statements in order."""
+
+    version: int
+    stmts: tuple[Stmt, ...]
+    file: str = "<string>"

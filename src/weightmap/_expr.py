@@ -1,0 +1,368 @@
+"""Expressions: compiled once to Python closures, evaluated per tensor or per config edit.
+
+Values are JSON values (null, bool, int, float, str, list, object). Evaluation is strict so a
+mapping cannot go silently wrong: conditions must be booleans, ``1 == true`` is false, a missing
+config field is an error (test with ``has(config.x)``), and ``<`` compares only numbers with
+numbers and strings with strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightmap import _ast as A
+from weightmap._dtypes import DTYPES, TensorSpec
+
+__all__ = [
+    "DTYPE_ALIASES",
+    "EvalError",
+    "Fn",
+    "MissingField",
+    "Scope",
+    "compile_expr",
+    "resolve_dtype",
+    "render",
+    "truth",
+]
+
+# Lower-case spellings accepted wherever a dtype is named; the canonical upper-case
+# safetensors names are accepted too.
+DTYPE_ALIASES: dict[str, str] = {
+    **{alias: "F64" for alias in ("f64", "fp64", "float64", "double")},
+    **{alias: "F32" for alias in ("f32", "fp32", "float32", "float")},
+    **{alias: "F16" for alias in ("f16", "fp16", "float16", "half")},
+    **{alias: "BF16" for alias in ("bf16", "bfloat16")},
+    **{alias: "F8_E4M3" for alias in ("f8_e4m3", "fp8_e4m3", "float8_e4m3fn", "e4m3")},
+    **{alias: "F8_E5M2" for alias in ("f8_e5m2", "fp8_e5m2", "float8_e5m2", "e5m2")},
+    **{f"i{b}": f"I{b}" for b in (8, 16, 32, 64)},
+    **{f"int{b}": f"I{b}" for b in (8, 16, 32, 64)},
+    **{f"u{b}": f"U{b}" for b in (8, 16, 32, 64)},
+    **{f"uint{b}": f"U{b}" for b in (8, 16, 32, 64)},
+    "bool": "BOOL",
+    **{name: name for name in DTYPES},
+}
+
+TENSOR_NAMES = ("name", "dtype", "shape")
+
+
+def resolve_dtype(word: str) -> str | None:
+    """The safetensors dtype named by ``word`` (``"bf16"`` -> ``"BF16"``), or None."""
+    return DTYPE_ALIASES.get(word)
+
+
+class EvalError(Exception):
+    """An expression cannot be evaluated; the compiler turns it into a located problem."""
+
+    def __init__(self, message: str, loc: A.Loc) -> None:
+        super().__init__(message)
+        self.message, self.loc = message, loc
+
+
+class MissingField(EvalError):
+    """A config field that the expression reads is absent."""
+
+
+@dataclass
+class Scope:
+    """What names mean while evaluating: captures, the tensor, params, config, locals."""
+
+    params: dict[str, Any] = field(default_factory=dict)
+    config: Any = None
+    captures: dict[str, Any] = field(default_factory=dict)
+    tensor: TensorSpec | None = None
+    exists: Callable[[A.Pattern], bool] | None = None
+    local: dict[str, Any] = field(default_factory=dict)
+
+    def with_tensor(self, tensor: TensorSpec, captures: dict[str, Any]) -> Scope:
+        """A scope for one matched tensor (cheap: shares params and config)."""
+        return Scope(self.params, self.config, captures, tensor, self.exists, self.local)
+
+
+Fn = Callable[[Scope], Any]
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "object"}.get(
+        type(v), type(v).__name__
+    )
+
+
+def show(v: Any) -> str:
+    """A value as the language would write it."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(show(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f'"{k}": {show(x)}' for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def equal(a: Any, b: Any) -> bool:
+    """JSON equality: bools are not numbers; ints and floats compare by value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if _is_num(a) and _is_num(b):
+        return bool(a == b)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def truth(v: Any, loc: A.Loc, what: str = "condition") -> bool:
+    """A condition's value, which must be a boolean."""
+    if not isinstance(v, bool):
+        raise EvalError(f"{what} is {show(v)} ({_type_name(v)}), not true or false", loc)
+    return v
+
+
+def describe(e: A.Expr) -> str:
+    """A short source-like spelling of a field access, for messages."""
+    if isinstance(e, A.ConfigRef):
+        return "config"
+    if isinstance(e, A.Attr):
+        return f"{describe(e.obj)}.{e.name}"
+    if isinstance(e, A.Index) and isinstance(e.index, A.Lit):
+        return f"{describe(e.obj)}[{show(e.index.value)}]"
+    if isinstance(e, A.Name):
+        return e.id
+    return "value"
+
+
+def _arith(op: str, a: Any, b: Any, loc: A.Loc) -> Any:
+    if op == "+" and (
+        (isinstance(a, str) and isinstance(b, str)) or (isinstance(a, list) and isinstance(b, list))
+    ):
+        return a + b
+    if op == "*" and isinstance(a, list) and isinstance(b, int) and not isinstance(b, bool):
+        return a * b
+    if not (_is_num(a) and _is_num(b)):
+        raise EvalError(f"cannot apply {op} to {show(a)} and {show(b)}", loc)
+    if op in ("//", "%") and b == 0:
+        raise EvalError(f"division by zero in {show(a)} {op} 0", loc)
+    return {"+": a + b, "-": a - b, "*": a * b}[op] if op in "+-*" else (a // b if op == "//" else a % b)
+
+
+def _compare(op: str, a: Any, b: Any, loc: A.Loc) -> bool:
+    if op == "==":
+        return equal(a, b)
+    if op == "!=":
+        return not equal(a, b)
+    if not ((_is_num(a) and _is_num(b)) or (isinstance(a, str) and isinstance(b, str))):
+        raise EvalError(f"cannot compare {show(a)} {op} {show(b)}", loc)
+    return bool({"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op])
+
+
+def _contains(a: Any, b: Any, loc: A.Loc) -> bool:
+    if isinstance(b, list):
+        return any(equal(a, x) for x in b)
+    if isinstance(b, dict) and isinstance(a, str):
+        return a in b
+    if isinstance(b, str) and isinstance(a, str):
+        return a in b
+    raise EvalError(f"cannot test {show(a)} in {show(b)}", loc)
+
+
+def _lookup(name: str, loc: A.Loc) -> Fn:
+    def get(s: Scope) -> Any:
+        if name in s.local:
+            return s.local[name]
+        if name in s.captures:
+            return s.captures[name]
+        if s.tensor is not None and name in TENSOR_NAMES:
+            t = s.tensor
+            return t.name if name == "name" else t.dtype if name == "dtype" else list(t.shape)
+        if name in s.params:
+            return s.params[name]
+        dt = resolve_dtype(name)
+        if dt is not None:
+            return dt
+        raise EvalError(f"unknown name `{name}`", loc)
+
+    return get
+
+
+def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
+    if isinstance(obj, dict):
+        if not isinstance(key, str):
+            raise EvalError(f"{what}: object keys are strings, not {show(key)}", loc)
+        if key not in obj:
+            raise MissingField(f"`{what}` is missing from the config", loc)
+        return obj[key]
+    if isinstance(obj, list) and isinstance(key, int) and not isinstance(key, bool):
+        if not -len(obj) <= key < len(obj):
+            raise EvalError(f"{what}: index {key} is out of range for a list of {len(obj)}", loc)
+        return obj[key]
+    raise EvalError(f"{what}: cannot index {show(obj)} with {show(key)}", loc)
+
+
+def compile_expr(e: A.Expr) -> Fn:
+    """Compile an expression to a function of a :class:`Scope`; raises EvalError when run."""
+    loc = e.loc
+    if isinstance(e, A.Lit):
+        v = e.value
+        return lambda s: v
+    if isinstance(e, A.Name):
+        return _lookup(e.id, loc)
+    if isinstance(e, A.ConfigRef):
+
+        def config(s: Scope) -> Any:
+            if s.config is None:
+                raise MissingField("the checkpoint has no config.json", loc)
+            return s.config
+
+        return config
+    if isinstance(e, (A.Attr, A.Index)):
+        obj = compile_expr(e.obj)
+        what = describe(e)
+        if isinstance(e, A.Attr):
+            key: str = e.name
+            return lambda s: _field(obj(s), key, what, loc)
+        idx = compile_expr(e.index)
+        return lambda s: _field(obj(s), idx(s), what, loc)
+    if isinstance(e, A.Unary):
+        inner = compile_expr(e.operand)
+        if e.op == "not":
+            return lambda s: not truth(inner(s), loc)
+        return lambda s: _arith("-", 0, inner(s), loc)
+    if isinstance(e, A.BinOp):
+        return _binop(e)
+    if isinstance(e, A.ListExpr):
+        items = [compile_expr(x) for x in e.items]
+        return lambda s: [f(s) for f in items]
+    if isinstance(e, A.DictExpr):
+        pairs = [(k, compile_expr(x)) for k, x in e.items]
+        return lambda s: {k: f(s) for k, f in pairs}
+    if isinstance(e, A.Comp):
+        return _comprehension(e)
+    if isinstance(e, A.Call):
+        return _call(e)
+    if isinstance(e, A.Exists):
+        pattern = e.pattern
+
+        def exists(s: Scope) -> bool:
+            if s.exists is None:
+                raise EvalError("`exists` is only available where input tensors are known", loc)
+            return s.exists(pattern)
+
+        return exists
+    raise TypeError(f"unknown expression {e!r}")  # pragma: no cover
+
+
+def _binop(e: A.BinOp) -> Fn:
+    op, loc = e.op, e.loc
+    left, right = compile_expr(e.left), compile_expr(e.right)
+    if op == "and":
+        return lambda s: truth(left(s), loc) and truth(right(s), loc)
+    if op == "or":
+        return lambda s: truth(left(s), loc) or truth(right(s), loc)
+    if op in ("==", "!=", "<", "<=", ">", ">="):
+        return lambda s: _compare(op, left(s), right(s), loc)
+    if op == "in":
+        return lambda s: _contains(left(s), right(s), loc)
+    if op == "not in":
+        return lambda s: not _contains(left(s), right(s), loc)
+    return lambda s: _arith(op, left(s), right(s), loc)
+
+
+def _comprehension(e: A.Comp) -> Fn:
+    elt, it = compile_expr(e.elt), compile_expr(e.iterable)
+    cond = compile_expr(e.cond) if e.cond is not None else None
+    var, loc = e.var, e.loc
+
+    def run(s: Scope) -> list[Any]:
+        seq = it(s)
+        if not isinstance(seq, list):
+            raise EvalError(f"`for {var} in` needs a list, got {show(seq)}", loc)
+        out = []
+        for x in seq:
+            inner = Scope(s.params, s.config, s.captures, s.tensor, s.exists, {**s.local, var: x})
+            if cond is None or truth(cond(inner), loc):
+                out.append(elt(inner))
+        return out
+
+    return run
+
+
+def _call(e: A.Call) -> Fn:
+    loc, name = e.loc, e.func
+    args = [compile_expr(a) for a in e.args]
+    if name == "has":
+        if len(args) != 1:
+            raise EvalError("has() takes one field, e.g. has(config.rope_scaling)", loc)
+        (arg,) = args
+
+        def has(s: Scope) -> bool:
+            try:
+                arg(s)
+            except MissingField:
+                return False
+            return True
+
+        return has
+    if name == "len":
+        if len(args) != 1:
+            raise EvalError("len() takes one argument", loc)
+        (arg,) = args
+
+        def length(s: Scope) -> int:
+            v = arg(s)
+            if not isinstance(v, (list, str, dict)):
+                raise EvalError(f"len() of {show(v)}", loc)
+            return len(v)
+
+        return length
+    if name in ("min", "max"):
+        pick = min if name == "min" else max
+
+        def extreme(s: Scope) -> Any:
+            vals = [f(s) for f in args]
+            if len(vals) == 1 and isinstance(vals[0], list):
+                vals = vals[0]
+            if not vals or not all(_is_num(v) for v in vals):
+                raise EvalError(f"{name}() needs numbers, got {show(vals)}", loc)
+            return pick(vals)
+
+        return extreme
+    raise EvalError(f"unknown function `{name}`; the functions are has, len, min, max", loc)
+
+
+def render(t: A.Template, scope: Scope) -> str:
+    """Fill a template's holes (ints and strings print plainly, other values as written)."""
+    out = []
+    for part in t.parts:
+        if isinstance(part, str):
+            out.append(part)
+        else:
+            v = compile_expr(part)(scope)
+            out.append(v if isinstance(v, str) else show(v))
+    return "".join(out)
+
+
+def compile_template(t: A.Template) -> Callable[[Scope], str]:
+    """A fast renderer for output names (compiled once per rule, run once per tensor)."""
+    fns: list[Callable[[Scope], Any]] = []
+    for part in t.parts:
+        if isinstance(part, str):
+            fns.append(lambda s, p=part: p)  # type: ignore[misc]
+        else:
+            fns.append(compile_expr(part))
+
+    def run(s: Scope) -> str:
+        return "".join(v if isinstance(v := f(s), str) else show(v) for f in fns)
+
+    return run

@@ -1,0 +1,478 @@
+"""Text -> syntax tree. Lark does the parsing; its exceptions never leave this module.
+
+Every syntax error becomes a :class:`MappingSyntaxError` whose message reads::
+
+    file:line:col: what is wrong
+        the offending source line
+        ^
+    hint: what to write instead
+
+Patterns (``"layers.{n:int}.{rest*}"``) and templates (``"layers.{n - 1}"``) are ordinary
+strings to the grammar; their holes are parsed here so errors point inside the string.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from functools import lru_cache
+from typing import Any, NoReturn
+
+from lark import Lark, Token, Tree
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from weightmap import _ast as A
+from weightmap._resources import read_text
+from weightmap.errors import MappingSyntaxError
+
+__all__ = ["LANGUAGE_VERSION", "parse_program", "parse_pattern", "parse_template", "syntax_error"]
+
+LANGUAGE_VERSION = 1
+
+STATEMENT_KEYWORDS = (
+    "rename keep drop split chunk merge stack unstack transpose permute reshape cast "
+    "require warn param include unmatched config if"
+).split()
+CONFIG_KEYWORDS = ("delete", "move", "lift", "if")
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    return Lark(
+        read_text("grammars", "weightmap.lark"),
+        parser="lalr",
+        propagate_positions=True,
+        start=["start", "expr"],
+    )
+
+
+def syntax_error(text: str, loc: A.Loc, message: str, hint: str | None = None) -> NoReturn:
+    """Raise a MappingSyntaxError showing ``loc``'s line with a caret under its column."""
+    lines = text.splitlines()
+    out = [f"{loc}: {message}"]
+    if 1 <= loc.line <= len(lines):
+        src = lines[loc.line - 1].replace("\t", " ")
+        out += [f"    {src}", "    " + " " * (max(loc.col, 1) - 1) + "^"]
+    if hint:
+        out.append(f"hint: {hint}")
+    raise MappingSyntaxError("\n".join(out))
+
+
+# ---------------------------------------------------------------- error hints
+
+_TERMINAL_TEXT = {
+    "STRING": "a quoted string",
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "COMP_OP": "a comparison",
+    "ADD_OP": "+ or -",
+    "MUL_OP": "* // or %",
+    "POLICY": "error, keep or drop",
+    "OPT": "?",
+    "$END": "the end of the file",
+}
+
+
+def _describe_expected(parser: Lark, expected: set[str]) -> str:
+    words = set()
+    for name in expected:
+        if name in _TERMINAL_TEXT:
+            words.add(_TERMINAL_TEXT[name])
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:  # pragma: no cover - lark always knows its own terminals
+            words.add(name)
+            continue
+        words.add(f"`{pattern.value}`" if pattern.type == "str" else name)
+    if len(words) > 8:
+        return ""
+    return "; expected " + ", ".join(sorted(words))
+
+
+def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
+    rest = text[pos:]
+    if rest.startswith("=>"):
+        return "the arrow is written `->`"
+    if rest.startswith("'"):
+        return 'strings are written in double quotes: "..."'
+    if rest.startswith('"') and '"' not in rest.split("\n", 1)[0][1:]:
+        return "this string is not closed on its line"
+    if rest.startswith("=") and "COMP_OP" in expected:
+        return "compare with `==`"
+    if "STRING" in expected and _IDENT.match(word or ""):
+        return f'tensor names, patterns and messages are quoted: "{word}"'
+    keywords = [k for k in STATEMENT_KEYWORDS + list(CONFIG_KEYWORDS) if k.upper() in expected]
+    if word and keywords:
+        close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean `{close[0]}`?"
+    if "RBRACE" in expected and not word:
+        return "a `{` block is not closed"
+    # A misspelt keyword is often taken for a name, so the error comes one word later.
+    before = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[:pos].rsplit("\n", 1)[-1])
+    if before:
+        close = difflib.get_close_matches(before[-1], [*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS], 1)
+        if close and close[0] != before[-1]:
+            return f"did you mean `{close[0]}`?"
+    return None
+
+
+def _lark_error(text: str, file: str, exc: UnexpectedInput) -> NoReturn:
+    parser = _parser()
+    line, col = max(exc.line, 1), max(exc.column, 1)
+    pos = exc.pos_in_stream if exc.pos_in_stream is not None else len(text)
+    expected: set[str] = set()
+    if isinstance(exc, UnexpectedToken):
+        expected = set(exc.expected)
+        tok = exc.token
+        word = str(tok) if tok.type != "$END" else ""
+        what = "end of file" if tok.type == "$END" else f"`{tok}`"
+        if tok.type == "$END":
+            body = text.rstrip()
+            line = body.count("\n") + 1
+            col = len(body.rsplit("\n", 1)[-1]) + 1
+            pos = len(text)
+    elif isinstance(exc, UnexpectedCharacters):
+        expected = set(exc.allowed or ())
+        word = text[pos : pos + 1]
+        what = f"character {word!r}"
+    else:  # UnexpectedEOF
+        expected = set(getattr(exc, "expected", ()) or ())
+        word, what = "", "end of file"
+    loc = A.Loc(file, line, col)
+    if line == 1 and col == 1 and not text.lstrip().startswith("weightmap"):
+        syntax_error(
+            text, loc, "a mapping must start with its language version", "first line: weightmap 1"
+        )
+    message = f"unexpected {what}{_describe_expected(parser, expected)}"
+    syntax_error(text, loc, message, _hint(text, pos, word, expected))
+
+
+# ---------------------------------------------------------------- patterns and templates
+
+
+def _holes(text: str, loc: A.Loc, source: str) -> list[tuple[str, str, int]]:
+    """Split on ``{...}``: ("lit", text, offset) and ("hole", inner, offset) pieces."""
+    out: list[tuple[str, str, int]] = []
+    buf, i, start = [], 0, 0
+    while i < len(text):
+        ch = text[i]
+        if text.startswith("{{", i) or text.startswith("}}", i):
+            buf.append(ch)
+            i += 2
+        elif ch == "{":
+            end = text.find("}", i)
+            if end < 0:
+                _in_string_error(source, loc, i, "`{` is not closed", "write {{ for a literal {")
+            if buf:
+                out.append(("lit", "".join(buf), start))
+                buf = []
+            out.append(("hole", text[i + 1 : end], i))
+            i = end + 1
+            start = i
+        elif ch == "}":
+            _in_string_error(source, loc, i, "`}` without `{`", "write }} for a literal }")
+        else:
+            if not buf:
+                start = i
+            buf.append(ch)
+            i += 1
+    if buf:
+        out.append(("lit", "".join(buf), start))
+    return out
+
+
+def _in_string_error(source: str, loc: A.Loc, offset: int, msg: str, hint: str) -> NoReturn:
+    syntax_error(source, A.Loc(loc.file, loc.line, loc.col + 1 + offset), msg, hint)
+
+
+def parse_pattern(text: str, loc: A.Loc, source: str = "") -> A.Pattern:
+    """Parse a tensor-name pattern; ``loc`` is the position of its opening quote."""
+    parts: list[A.PatPart] = []
+    names: set[str] = set()
+    for kind, piece, off in _holes(text, loc, source):
+        if kind == "lit":
+            for j, chunk in enumerate(re.split(r"(\*\*|\*)", piece)):
+                if j % 2:
+                    parts.append(A.Glob(multi=chunk == "**"))
+                elif chunk:
+                    parts.append(chunk)
+            continue
+        hole = piece.strip()
+        name, _, spec = hole.partition(":")
+        multi = name.endswith("*")
+        name = name.rstrip("*").strip()
+        part: A.PatPart
+        if not spec and "," in name:
+            alts = tuple(a.strip() for a in name.split(","))
+            if multi or not all(alts):
+                _in_string_error(source, loc, off, f"bad alternatives {{{piece}}}", "{a,b}")
+            part = A.Alt(alts)
+        elif not _IDENT.match(name):
+            _in_string_error(
+                source,
+                loc,
+                off,
+                f"bad capture {{{piece}}}",
+                "captures are {name}, {name*}, {name:int}, {name:a,b} or {a,b}",
+            )
+        elif spec.strip() == "int" and not multi:
+            part = A.Capture(name, "int")
+        elif spec:
+            alts = tuple(a.strip() for a in spec.split(","))
+            if multi or not all(alts):
+                _in_string_error(source, loc, off, f"bad alternatives {{{piece}}}", "{x:a,b}")
+            part = A.Capture(name, "alt", alts)
+        else:
+            part = A.Capture(name, "multi" if multi else "seg")
+        if isinstance(part, A.Capture):
+            if part.name in names:
+                _in_string_error(source, loc, off, f"capture {{{name}}} appears twice", "rename one")
+            names.add(part.name)
+        parts.append(part)
+    return A.Pattern(text=text, parts=tuple(parts), loc=loc)
+
+
+def parse_template(text: str, loc: A.Loc, source: str = "") -> A.Template:
+    """Parse an output name or message: literal text with ``{expression}`` holes."""
+    parts: list[str | A.Expr] = []
+    for kind, piece, off in _holes(text, loc, source):
+        if kind == "lit":
+            parts.append(piece)
+            continue
+        hole_loc = A.Loc(loc.file, loc.line, loc.col + 2 + off)
+        try:
+            tree = _parser().parse(piece, start="expr")
+        except LarkError:
+            _in_string_error(
+                source, loc, off, f"bad expression {{{piece}}} in template", "e.g. {n - 1}"
+            )
+        parts.append(_Builder(source, loc.file, hole_loc).expr(tree))
+    return A.Template(text=text, parts=tuple(parts), loc=loc)
+
+
+# ---------------------------------------------------------------- tree -> AST
+
+
+class _Builder:
+    """Turns lark trees into AST nodes. ``origin`` offsets positions (template holes)."""
+
+    def __init__(self, text: str, file: str, origin: A.Loc | None = None) -> None:
+        self.text, self.file, self.origin = text, file, origin
+
+    def loc(self, node: Tree[Any] | Token, fallback: A.Loc | None = None) -> A.Loc:
+        if self.origin is not None:
+            return self.origin
+        line = getattr(node, "line", None)
+        col = getattr(node, "column", None)
+        if isinstance(node, Tree):
+            line = None if node.meta.empty else node.meta.line
+            col = None if node.meta.empty else node.meta.column
+        if line is None or col is None:
+            return fallback or A.Loc(self.file, 0, 0)
+        return A.Loc(self.file, line, col)
+
+    def string(self, tok: Token) -> str:
+        try:
+            value = json.loads(str(tok))
+        except ValueError:
+            syntax_error(self.text, self.loc(tok), "bad escape in string", 'e.g. "\\n" or "\\""')
+        if not isinstance(value, str):  # pragma: no cover - the STRING regex guarantees it
+            raise TypeError(value)
+        return value
+
+    def pattern(self, tok: Token) -> A.Pattern:
+        return parse_pattern(self.string(tok), self.loc(tok), self.text)
+
+    def template(self, tok: Token) -> A.Template:
+        return parse_template(self.string(tok), self.loc(tok), self.text)
+
+    # -- expressions
+    def expr(self, t: Tree[Any] | Token, fallback: A.Loc | None = None) -> A.Expr:
+        loc = self.loc(t, fallback)
+        if isinstance(t, Token):  # pragma: no cover - every expression token sits in a tree
+            raise TypeError(t)
+        c = t.children
+        kind = t.data
+        if kind == "int":
+            return A.Lit(value=int(c[0]), loc=loc)
+        if kind == "float":
+            return A.Lit(value=float(c[0]), loc=loc)
+        if kind == "string":
+            return A.Lit(value=self.string(c[0]), loc=loc)
+        if kind in ("true", "false", "null"):
+            return A.Lit(value={"true": True, "false": False, "null": None}[kind], loc=loc)
+        if kind == "name":
+            return A.Name(id=str(c[0]), loc=loc)
+        if kind == "config_ref":
+            return A.ConfigRef(loc=loc)
+        if kind == "exists":
+            return A.Exists(pattern=self.pattern(c[0]), loc=loc)
+        if kind == "attr":
+            return A.Attr(obj=self.expr(c[0], loc), name=str(c[1]), loc=loc)
+        if kind == "index":
+            return A.Index(obj=self.expr(c[0], loc), index=self.expr(c[1], loc), loc=loc)
+        if kind == "call":
+            args = tuple(self.expr(a, loc) for a in c[1:] if a is not None)
+            return A.Call(func=str(c[0]), args=args, loc=loc)
+        if kind == "neg":
+            return A.Unary(op="-", operand=self.expr(c[0], loc), loc=loc)
+        if kind == "not_":
+            return A.Unary(op="not", operand=self.expr(c[0], loc), loc=loc)
+        if kind in ("or_", "and_"):
+            op = kind[:-1]
+            return A.BinOp(op=op, left=self.expr(c[0], loc), right=self.expr(c[1], loc), loc=loc)
+        if kind in ("compare", "binop"):
+            l, r = self.expr(c[0], loc), self.expr(c[2], loc)
+            return A.BinOp(op=str(c[1]), left=l, right=r, loc=loc)
+        if kind in ("in_", "not_in"):
+            op = "in" if kind == "in_" else "not in"
+            return A.BinOp(op=op, left=self.expr(c[0], loc), right=self.expr(c[1], loc), loc=loc)
+        if kind == "list":
+            return A.ListExpr(items=tuple(self.expr(x, loc) for x in c if x is not None), loc=loc)
+        if kind == "comp":
+            cond = self.expr(c[3], loc) if len(c) > 3 and c[3] is not None else None
+            it = self.expr(c[2], loc)
+            return A.Comp(elt=self.expr(c[0], loc), var=str(c[1]), iterable=it, cond=cond, loc=loc)
+        if kind == "dict":
+            pairs = [x for x in c if x is not None]
+            items = tuple((self.string(p.children[0]), self.expr(p.children[1], loc)) for p in pairs)
+            return A.DictExpr(items=items, loc=loc)
+        raise TypeError(f"unknown expression node {kind}")  # pragma: no cover
+
+    # -- statements
+    def stmts(self, trees: list[Any]) -> tuple[A.Stmt, ...]:
+        return tuple(self.stmt(t) for t in trees if isinstance(t, Tree))
+
+    def stmt(self, t: Tree[Any]) -> A.Stmt:
+        loc, c, kind = self.loc(t), t.children, str(t.data)
+        if kind == "param":
+            return A.Param(name=str(c[0]), default=self.expr(c[1], loc), loc=loc)
+        if kind == "include":
+            return A.Include(target=self.string(c[0]), loc=loc)
+        if kind == "unmatched":
+            return A.Unmatched(policy=str(c[0]), loc=loc)  # type: ignore[arg-type]  # POLICY
+        if kind == "require":
+            return A.Require(cond=self.expr(c[0], loc), message=self.template(c[1]), loc=loc)
+        if kind == "warn":
+            cond = self.expr(c[0], loc) if len(c) == 2 else None
+            return A.Warn(cond=cond, message=self.template(c[-1]), loc=loc)
+        if kind == "if_stmt":
+            then = [x for x in c[1:] if isinstance(x, Tree) and x.data not in ("else_block", "else_if")]
+            return A.If(cond=self.expr(c[0], loc), then=self.stmts(then), orelse=self._else(c), loc=loc)
+        if kind == "config_block":
+            return A.ConfigBlock(stmts=tuple(self.cfg(x) for x in c), loc=loc)
+        return self.rule(t)
+
+    def _else(self, c: list[Any]) -> tuple[A.Stmt, ...]:
+        last = c[-1] if c else None
+        if isinstance(last, Tree) and last.data == "else_block":
+            return self.stmts(last.children)
+        if isinstance(last, Tree) and last.data == "else_if":
+            return (self.stmt(last.children[0]),)
+        return ()
+
+    def cfg(self, t: Tree[Any]) -> A.CfgStmt:
+        loc, c, kind = self.loc(t), t.children, str(t.data)
+        if kind == "cfg_set":
+            return A.CfgSet(path=self.path(c[0]), value=self.expr(c[1], loc), loc=loc)
+        if kind == "cfg_delete":
+            optional = isinstance(c[0], Token) and c[0].type == "OPT"
+            paths = tuple(self.path(x) for x in c if isinstance(x, Tree) and x.data == "path")
+            rest = [x for x in c if isinstance(x, Tree) and x.data != "path"]
+            cond = self.expr(rest[0], loc) if rest else None
+            return A.CfgDelete(paths=paths, optional=optional, cond=cond, loc=loc)
+        if kind == "cfg_move":
+            return A.CfgMove(src=self.path(c[0]), dst=self.path(c[1]), loc=loc)
+        if kind == "cfg_lift":
+            return A.CfgLift(path=self.path(c[0]), overwrite=len(c) > 1, loc=loc)
+        if kind == "cfg_if":
+            body = [x for x in c[1:] if isinstance(x, Tree)]
+            then = [x for x in body if x.data not in ("cfg_else", "cfg_else_if")]
+            orelse: tuple[A.CfgStmt, ...] = ()
+            if body and body[-1].data == "cfg_else":
+                orelse = tuple(self.cfg(x) for x in body[-1].children)
+            elif body and body[-1].data == "cfg_else_if":
+                orelse = (self.cfg(body[-1].children[0]),)
+            then_stmts = tuple(self.cfg(x) for x in then)
+            return A.CfgIf(cond=self.expr(c[0], loc), then=then_stmts, orelse=orelse, loc=loc)
+        raise TypeError(f"unknown config statement {kind}")  # pragma: no cover
+
+    def path(self, t: Tree[Any]) -> tuple[str, ...]:
+        return tuple(self.string(x) if x.type == "STRING" else str(x) for x in t.children)
+
+    def rule(self, t: Tree[Any]) -> A.Rule:
+        loc, op = self.loc(t), str(t.data)
+        fields: dict[str, Any] = {}
+        strings: list[Token] = []
+        optional = False
+        for x in t.children:
+            if isinstance(x, Token):
+                if x.type == "OPT":
+                    optional = True
+                elif x.type == "STRING":
+                    strings.append(x)
+                else:  # NAME: the cast target dtype
+                    fields["to_dtype"] = str(x)
+            elif x.data == "strings":
+                strings.extend(x.children)
+            elif x.data in ("over", "from_dtype"):
+                fields[str(x.data)] = str(x.children[0])
+            elif x.data == "output":
+                strings.append(x.children[0])
+            elif x.data == "from_shape":
+                fields["from_shape"] = self.expr(x.children[0], loc)
+            elif x.data in ("sizes", "dim", "dims", "where"):
+                fields[str(x.data)] = self.expr(x.children[0], loc)
+            else:  # a bare expression child: split's dim/sizes, permute's dims, reshape's to
+                fields.setdefault("_exprs", []).append(self.expr(x, loc))
+        exprs = fields.pop("_exprs", [])
+        if op in ("split", "chunk", "merge"):
+            fields["dim"] = exprs[0]
+            if op == "split":
+                fields["sizes"] = exprs[1]
+        elif op == "permute":
+            fields["dims"] = exprs[0]
+        elif op == "reshape":
+            fields["to_shape"] = exprs[0]
+        n_in = len(strings) if op in ("keep", "drop") else _count_input_strings(t)
+        patterns = tuple(self.pattern(s) for s in strings[:n_in])
+        outputs = tuple(self.template(s) for s in strings[n_in:])
+        return A.Rule(op=op, optional=optional, patterns=patterns, outputs=outputs, loc=loc, **fields)  # type: ignore[arg-type]
+
+
+def _count_input_strings(t: Tree[Any]) -> int:
+    """Input patterns of a rule: merge/stack list them before `dim`; others have one."""
+    if t.data not in ("merge", "stack"):
+        return 1
+    for x in t.children:
+        if isinstance(x, Tree) and x.data == "strings":
+            return len(x.children)
+    return 1
+
+
+
+def parse_program(text: str, file: str = "<string>") -> A.Program:
+    """Parse mapping source text into a :class:`Program`; MappingSyntaxError on any error."""
+    try:
+        tree = _parser().parse(text, start="start")
+    except UnexpectedInput as exc:
+        _lark_error(text, file, exc)
+    except LarkError as exc:  # pragma: no cover - grammar bugs only
+        syntax_error(text, A.Loc(file, 1, 1), f"cannot parse: {exc}")
+    b = _Builder(text, file)
+    header = tree.children[0]
+    version = int(header.children[0])
+    if version != LANGUAGE_VERSION:
+        syntax_error(
+            text,
+            b.loc(header),
+            f"unsupported language version {version}",
+            f"this weightmap reads `weightmap {LANGUAGE_VERSION}`",
+        )
+    return A.Program(version=version, stmts=b.stmts(tree.children[1:]), file=file)
