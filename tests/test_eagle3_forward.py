@@ -129,9 +129,10 @@ def build(spec: DraftSpec, tmp_path: Path, convert: Callable[[Path, Path], None]
     return Pair(ref, dst, embed, aux, ids)
 
 
-def report(record_property: Callable[[str, object], None], entry: dict[str, object]) -> None:
-    for key, value in entry.items():
-        record_property(key, value)
+def report(node: pytest.Item, entry: dict[str, object]) -> None:
+    """Attach the measurements to the test item (``user_properties``: the ``record_property``
+    fixture would warn under junit xunit2) and append them to $WEIGHTMAP_FORWARD_REPORT."""
+    node.user_properties.extend(entry.items())
     path = os.environ.get("WEIGHTMAP_FORWARD_REPORT")
     if path:
         with Path(path).open("a", encoding="utf-8") as f:
@@ -143,7 +144,7 @@ def compare(
     got: Trace,
     dtype: torch.dtype,
     case: str,
-    record_property: Callable[[str, object], None],
+    node: pytest.Item,
 ) -> None:
     """Assert that two traces agree within the dtype's tolerance and record the differences."""
     d_logits = (got.logits - ref.logits).abs()
@@ -157,7 +158,7 @@ def compare(
         top2 = ref.logits.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 2 * d_logits.max(dim=-1).values
     report(
-        record_property,
+        node,
         {
             "case": case,
             "dtype": str(dtype).removeprefix("torch."),
@@ -220,7 +221,7 @@ def test_converted_drafter_matches_reference(
     case: str,
     dtype: torch.dtype,
     tmp_path: Path,
-    record_property: Callable[[str, object], None],
+    request: pytest.FixtureRequest,
 ) -> None:
     spec = replace(CASES[case], dtype=dtype)
     pair = build(spec, tmp_path, convert_checkpoint)
@@ -229,14 +230,14 @@ def test_converted_drafter_matches_reference(
     ref = run_chain(pair.reference, pair.aux, pair.input_ids)
     got = run_chain(mirror, pair.aux, pair.input_ids, fed=ref.fed)
 
-    compare(ref, got, dtype, case, record_property)
+    compare(ref, got, dtype, case, request.node)
     # The chain must exercise the vocabulary mapping, not just pass ids through.
     if spec.has_vocab_mapping:
         assert not torch.equal(ref.tokens, ref.logits.argmax(-1))
 
 
 def test_shipped_example_matches_reference(
-    example: Path, tmp_path: Path, record_property: Callable[[str, object], None]
+    example: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The example checkpoint of the repository (bfloat16), converted and run the same way."""
     if not (example / "model.safetensors").is_file():
@@ -255,7 +256,7 @@ def test_shipped_example_matches_reference(
     mirror = load_converted(dst, dtype=torch.bfloat16, device=DEVICE)
     ref = run_chain(reference, aux, ids)
     got = run_chain(mirror, aux, ids, fed=ref.fed)
-    compare(ref, got, torch.bfloat16, "example", record_property)
+    compare(ref, got, torch.bfloat16, "example", request.node)
 
 
 def test_norm_before_residual_needs_refusal(tmp_path: Path) -> None:
