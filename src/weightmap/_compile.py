@@ -1,0 +1,356 @@
+"""The compiler: a mapping + input headers + config -> an immutable :class:`Plan`.
+
+Order of work: resolve params; walk the statements, taking the live branch of each ``if``;
+check every ``require`` (if one fails, stop: rule errors against the wrong checkpoint are
+noise); route every input to the first rule that matches it; build each rule's outputs; apply
+the unmatched policy; apply config edits; check output names. Problems are collected all the
+way and raised together as one :class:`CompileError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightmap import _ast as A
+from weightmap._configedit import apply_config_block
+from weightmap._dtypes import TensorSpec
+from weightmap._expr import EvalError, Scope, compile_expr, render, resolve_dtype, truth
+from weightmap._group import build_group, members_of
+from weightmap._ops import Match, RuleProblem, build_simple, dtype_known
+from weightmap._pattern import Alternative, Matcher, compile_pattern
+from weightmap._plan import Dropped, Node, OutputTensor, Plan, Source
+from weightmap._unmatched import compact_names
+from weightmap.errors import MappingError
+
+if TYPE_CHECKING:
+    from weightmap._mapping import Mapping
+
+__all__ = ["CompileError", "Problem", "compile_plan"]
+
+MAX_NAME_CHARS = 1024  # far beyond any real tensor name; keeps headers sane
+PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One compile error at a location."""
+
+    loc: A.Loc
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.message}"
+
+
+class CompileError(MappingError):
+    """Every problem found while compiling a mapping; ``problems`` lists them in order."""
+
+    def __init__(self, problems: Sequence[Problem], mapping_name: str) -> None:
+        self.problems = tuple(problems)
+        n = len(self.problems)
+        head = f"mapping {mapping_name!r} cannot be applied ({n} problem{'s' * (n != 1)}):"
+        super().__init__("\n".join([head, *(f"  {p}" for p in self.problems)]))
+
+
+@dataclass
+class _Flat:
+    rules: list[A.Rule] = field(default_factory=list)
+    checks: list[A.Require | A.Warn] = field(default_factory=list)
+    configs: list[A.ConfigBlock] = field(default_factory=list)
+    unmatched: A.Unmatched | None = None
+
+
+class _Compiler:
+    def __init__(self, mapping: Mapping, inputs: Sequence[TensorSpec], config: Any) -> None:
+        self.mapping = mapping
+        self.inputs = tuple(inputs)
+        self.config = config
+        self.problems: list[Problem] = []
+        self.warnings: list[str] = []
+        self._exists: dict[str, bool] = {}
+        self._counts: dict[A.Loc, int] = {}
+
+    def report(self, loc: A.Loc, message: str) -> None:
+        n = self._counts[loc] = self._counts.get(loc, 0) + 1
+        if n <= PER_RULE_LIMIT:
+            self.problems.append(Problem(loc, message))
+        elif n == PER_RULE_LIMIT + 1:
+            self.problems.append(Problem(loc, "... more problems like these (first 20 shown)"))
+
+    def exists(self, pattern: A.Pattern) -> bool:
+        if pattern.text not in self._exists:
+            rx = compile_pattern(pattern)
+            self._exists[pattern.text] = any(rx.fullmatch(s.name) for s in self.inputs)
+        return self._exists[pattern.text]
+
+    # ------------------------------------------------------------ params and statements
+
+    def params(self, overrides: dict[str, Any] | None) -> dict[str, Any]:
+        values = dict(self.mapping.param_defaults)
+        for name, value in (overrides or {}).items():
+            if name not in values:
+                known = ", ".join(sorted(values)) or "none"
+                self.report(A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})")
+            elif type(value) is not type(values[name]) and values[name] is not None:
+                self.report(
+                    self.mapping.param_locs[name],
+                    f"param {name!r} takes a {type(values[name]).__name__}, got {value!r}",
+                )
+            else:
+                values[name] = value
+        return values
+
+    def flatten(self, stmts: tuple[A.Stmt, ...], scope: Scope, out: _Flat) -> None:
+        for st in stmts:
+            if isinstance(st, A.If):
+                try:
+                    ok = truth(compile_expr(st.cond)(scope), st.cond.loc)
+                except EvalError as err:
+                    self.report(err.loc, err.message)
+                    continue
+                self.flatten(st.then if ok else st.orelse, scope, out)
+            elif isinstance(st, A.Rule):
+                out.rules.append(st)
+            elif isinstance(st, (A.Require, A.Warn)):
+                out.checks.append(st)
+            elif isinstance(st, A.ConfigBlock):
+                out.configs.append(st)
+            elif isinstance(st, A.Unmatched):
+                if out.unmatched is not None:
+                    self.report(st.loc, f"a second `unmatched` (the first is at {out.unmatched.loc})")
+                out.unmatched = st
+
+    def checks(self, checks: list[A.Require | A.Warn], scope: Scope) -> None:
+        for st in checks:
+            try:
+                ok = True if st.cond is None else truth(compile_expr(st.cond)(scope), st.cond.loc)
+            except EvalError as err:
+                self.report(err.loc, err.message)
+                continue
+            fire = (not ok) if isinstance(st, A.Require) else ok
+            if not fire:
+                continue
+            try:
+                message = render(st.message, scope)
+            except EvalError:
+                message = st.message.text
+            if isinstance(st, A.Require):
+                self.report(st.loc, f"requirement failed: {message}")
+            else:
+                self.warnings.append(f"{st.loc}: {message}")
+
+    # ------------------------------------------------------------ tensors
+
+    def route(self, rules: list[A.Rule], scope: Scope) -> tuple[list[list[Match]], list[int]]:
+        """Give each input to the first rule that takes it; return matches per rule, leftovers."""
+        alts: list[Alternative] = []
+        for r, rule in enumerate(rules):
+            accept = self._filter(r, rule, scope)
+            alts += [Alternative(r, i, p, accept) for i, p in enumerate(rule.patterns)]
+        matcher = Matcher(alts)
+        per_rule: list[list[Match]] = [[] for _ in rules]
+        leftovers: list[int] = []
+        failed: set[int] = set()
+        for index, spec in enumerate(self.inputs):
+            try:
+                hit = matcher.match(index, spec.name)
+            except _FilterError as err:
+                if err.rule not in failed:
+                    failed.add(err.rule)
+                    self.report(err.loc, f"{err.message} (while matching `{spec.name}`)")
+                continue
+            if hit is None:
+                leftovers.append(index)
+            else:
+                alt = alts[hit[0]]
+                per_rule[alt.rule].append(Match(index, spec, hit[1], alt.pattern_index))
+        return per_rule, leftovers
+
+    def _filter(self, r: int, rule: A.Rule, scope: Scope) -> Any:
+        where = compile_expr(rule.where) if rule.where is not None else None
+        want = resolve_dtype(rule.from_dtype) if rule.from_dtype else None
+        if where is None and want is None:
+            return None
+        inputs = self.inputs
+
+        def accept(index: int, caps: dict[str, Any]) -> bool:
+            spec = inputs[index]
+            if want is not None and spec.dtype != want:
+                return False
+            if where is None:
+                return True
+            try:
+                return truth(where(scope.with_tensor(spec, caps)), rule.loc, "where")
+            except EvalError as err:
+                raise _FilterError(r, err.loc, err.message) from None
+
+        return accept
+
+    def check_rule(self, rule: A.Rule) -> bool:
+        for word in (rule.from_dtype, rule.to_dtype):
+            if word is not None and not dtype_known(word):
+                self.report(rule.loc, f"unknown dtype `{word}` (e.g. f32, bf16, f16, fp8_e4m3, i64)")
+                return False
+        return True
+
+    def missing(self, rules: list[A.Rule], per_rule: list[list[Match]]) -> None:
+        owner = {m.spec.name: rules[r].loc for r, ms in enumerate(per_rule) for m in ms}
+        for r, rule in enumerate(rules):
+            if rule.optional:
+                continue
+            found = {m.pattern_index for m in per_rule[r]}
+            for i, p in enumerate(rule.patterns):
+                if i in found:
+                    continue
+                if p.is_literal and p.text in owner:
+                    self.report(p.loc, f"input `{p.text}` is consumed twice: first by the rule at {owner[p.text]}")
+                elif p.is_literal:
+                    self.report(p.loc, f"input tensor `{p.text}` is missing (write `{rule.op}?` if it is optional)")
+                else:
+                    self.report(p.loc, f'pattern "{p.text}" matches no input tensor (write `{rule.op}?` if that is expected)')
+
+
+class _FilterError(Exception):
+    def __init__(self, rule: int, loc: A.Loc, message: str) -> None:
+        super().__init__(message)
+        self.rule, self.loc, self.message = rule, loc, message
+
+
+def compile_plan(
+    mapping: Mapping,
+    inputs: Sequence[TensorSpec],
+    config: dict[str, Any] | None,
+    *,
+    params: dict[str, Any] | None = None,
+) -> Plan:
+    """Compile ``mapping`` against input headers and config.json into a Plan.
+
+    Never reads tensor data. Raises :class:`CompileError` (a MappingError) listing every
+    problem with its file:line:col.
+
+    >>> from weightmap._mapping import load_mapping
+    >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')
+    >>> compile_plan(m, [TensorSpec("a.w", "F32", (2,))], None).outputs[0].name
+    'b.w'
+    """
+    c = _Compiler(mapping, inputs, config)
+    seen: set[str] = set()
+    for spec in c.inputs:
+        if spec.name in seen:
+            c.report(A.Loc(mapping.name, 1, 1), f"input `{spec.name}` appears twice in the headers")
+        seen.add(spec.name)
+    values = c.params(params)
+    scope = Scope(values, config, {}, None, c.exists)
+    flat = _Flat()
+    c.flatten(mapping.program.stmts, scope, flat)
+    c.checks(flat.checks, scope)
+    if c.problems:
+        raise CompileError(c.problems, mapping.name)
+    rules = [r for r in flat.rules if c.check_rule(r)]
+    per_rule, leftovers = c.route(rules, scope)
+    c.missing(rules, per_rule)
+
+    position = {s.name: i for i, s in enumerate(c.inputs)}
+    outputs: list[tuple[int, OutputTensor]] = []
+    dropped: list[Dropped] = []
+    for rule, matches in zip(rules, per_rule):
+
+        def emit(name: str, node: Node, rule: A.Rule = rule) -> None:
+            order = min(position[s.name] for s in node.sources())
+            outputs.append((order, OutputTensor(name=name, node=node, origin=rule.loc)))
+
+        def report(loc: A.Loc | None, message: str, rule: A.Rule = rule) -> None:
+            c.report(loc or rule.loc, message)
+
+        if rule.op in ("merge", "stack"):
+            try:
+                members = members_of(rule, set(values))
+            except RuleProblem as p:
+                report(p.loc, p.message)
+                continue
+            build_group(rule, members, matches, scope, emit, report)
+            continue
+        for m in matches:
+            try:
+                gone = build_simple(rule, m, scope, emit)
+            except RuleProblem as p:
+                report(p.loc, p.message)
+            else:
+                if gone is not None:
+                    dropped.append(gone)
+    policy = flat.unmatched.policy if flat.unmatched else "error"
+    where = flat.unmatched.loc if flat.unmatched else A.Loc(mapping.name, 1, 1)
+    if leftovers and policy == "error":
+        names = [c.inputs[i].name for i in leftovers]
+        listing = "\n    ".join(compact_names(names))
+        c.report(
+            where,
+            f"{len(names)} input tensor(s) match no rule (add rules, or `unmatched keep` /"
+            f" `unmatched drop`):\n    {listing}",
+        )
+    for i in leftovers:
+        spec = c.inputs[i]
+        if policy == "keep":
+            node = _source(spec)
+            outputs.append((i, OutputTensor(name=spec.name, node=node, origin=where)))
+        elif policy == "drop":
+            dropped.append(Dropped(name=spec.name, origin=where))
+
+    out_config = copy.deepcopy(config) if config is not None else None
+    for block in flat.configs:
+        if out_config is None:
+            c.report(block.loc, "the mapping edits config.json but the checkpoint has none")
+            break
+        apply_config_block(block, out_config, scope, c.report)
+    outputs.sort(key=lambda x: (x[0], x[1].name))
+    _check_names([o for _i, o in outputs], c)
+    if c.problems:
+        raise CompileError(c.problems, mapping.name)
+    try:
+        json.dumps(out_config)
+    except (TypeError, ValueError) as err:  # pragma: no cover - configs come from JSON
+        raise MappingError(f"the output config is not JSON: {err}") from None
+    return Plan.build(
+        mapping_name=mapping.name,
+        inputs=c.inputs,
+        outputs=tuple(o for _i, o in outputs),
+        dropped=tuple(dropped),
+        warnings=tuple(c.warnings),
+        params=values,
+        config=out_config,
+        input_config=config,
+    )
+
+
+def _source(spec: TensorSpec) -> Node:
+    return Source(dtype=spec.dtype, shape=spec.shape, name=spec.name)
+
+
+def _check_names(outputs: list[OutputTensor], c: _Compiler) -> None:
+    seen: dict[str, OutputTensor] = {}
+    for o in outputs:
+        bad = _bad_name(o.name)
+        if bad:
+            c.report(o.origin, f"output name {o.name[:80]!r} {bad}")
+        if o.name in seen:
+            c.report(o.origin, f"output `{o.name}` is also produced by the rule at {seen[o.name].origin}")
+        else:
+            seen[o.name] = o
+
+
+def _bad_name(name: str) -> str | None:
+    if not name:
+        return "is empty"
+    if name == "__metadata__":
+        return "is reserved by safetensors"
+    if _CONTROL.search(name):
+        return "contains control characters"
+    if len(name) > MAX_NAME_CHARS:
+        return f"is longer than {MAX_NAME_CHARS} characters"
+    return None

@@ -1,0 +1,93 @@
+"""``Plan.explain()``: the plan as a table a person can review before converting."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from weightmap._plan import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+
+if TYPE_CHECKING:
+    from weightmap._plan import Plan
+
+__all__ = ["config_diff", "explain"]
+
+
+def _shape(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}{list(shape)}"
+
+
+def _op(node: Node) -> str:
+    """The operation applied at the top of a node, innermost first (``cast(slice)``)."""
+    if isinstance(node, Source):
+        return "="
+    if isinstance(node, Slice):
+        inner = _op(node.src)
+        here = f"slice dim {node.dim} [{node.start}:{node.stop}]"
+    elif isinstance(node, (Concat, Stack)):
+        word = "concat" if isinstance(node, Concat) else "stack"
+        inner, here = "=", f"{word} dim {node.dim} of {len(node.srcs)}"
+    elif isinstance(node, Permute):
+        inner, here = _op(node.src), f"permute {list(node.perm)}"
+    elif isinstance(node, Reshape):
+        inner, here = _op(node.src), "reshape"
+    else:
+        assert isinstance(node, Cast)
+        inner, here = _op(node.src), f"cast {node.src.dtype}->{node.dtype}"
+    return here if inner == "=" else f"{inner}, {here}"
+
+
+def explain(plan: Plan) -> str:
+    """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff."""
+    inputs = {s.name: s for s in plan.inputs}
+    lines = [f"plan for mapping {plan.mapping_name!r}"]
+    if plan.params:
+        lines.append("params: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in plan.params.items()))
+    lines.append(f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped")
+    rows = []
+    for out in plan.outputs:
+        srcs = out.node.sources()
+        first = inputs[srcs[0].name]
+        src = f"{first.name} {_shape(first.dtype, first.shape)}"
+        if len(srcs) > 1:
+            src += f" (+{len(srcs) - 1} more)"
+        rows.append((src, _op(out.node), f"{out.name} {_shape(out.node.dtype, out.node.shape)}"))
+    if rows:
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
+    for d in plan.dropped:
+        lines.append(f"  dropped {d.name}  ({d.origin})")
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    diff = config_diff(plan.input_config, plan.config)
+    if diff:
+        lines.append("config.json:")
+        lines += [f"  {x}" for x in diff]
+    return "\n".join(lines)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+        out[prefix] = obj
+    return out
+
+
+def config_diff(before: Any, after: Any) -> list[str]:
+    """Field-level differences: ``+ path = value``, ``- path``, ``~ path: old -> new``."""
+    if before is None and after is None:
+        return []
+    a, b = _flatten(before or {}), _flatten(after or {})
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        if key not in b:
+            out.append(f"- {key}")
+        elif key not in a:
+            out.append(f"+ {key} = {json.dumps(b[key])}")
+        elif json.dumps(a[key]) != json.dumps(b[key]):
+            out.append(f"~ {key}: {json.dumps(a[key])} -> {json.dumps(b[key])}")
+    return out

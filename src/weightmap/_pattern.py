@@ -1,0 +1,108 @@
+"""Tensor-name patterns as regular expressions, and first-match dispatch over many rules.
+
+Speed matters here (100,000 tensors in well under a second), so every pattern of every active
+rule is joined into one alternation ``(?P<_0>...)|(?P<_1>...)|...``: Python's regex engine
+tries the alternatives in order, in C, so one ``fullmatch`` per tensor finds the first rule
+whose pattern matches. Only when that rule's ``where`` filter says no do we fall back to
+trying the later alternatives one by one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightmap import _ast as A
+
+__all__ = ["Alternative", "Matcher", "compile_pattern", "pattern_regex"]
+
+_INT = r"0|[1-9][0-9]*"  # canonical integers only, so "{n}" renders back to the same text
+
+
+def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, A.CaptureKind]]]:
+    """The pattern's regex source (groups named ``prefix + name``) and its captures in order.
+
+    Anonymous alternatives ``{a,b}`` are captured too, as ``_alt0``, ``_alt1``... so that a merge
+    can tell its members apart.
+    """
+    out: list[str] = []
+    caps: list[tuple[str, A.CaptureKind]] = []
+    n_alt = 0
+    for part in p.parts:
+        if isinstance(part, str):
+            out.append(re.escape(part))
+        elif isinstance(part, A.Glob):
+            out.append(".*" if part.multi else "[^.]*")
+        elif isinstance(part, A.Alt):
+            name = f"_alt{n_alt}"
+            n_alt += 1
+            out.append(f"(?P<{prefix}{name}>{'|'.join(map(re.escape, part.alts))})")
+            caps.append((name, "alt"))
+        else:
+            body = {"seg": "[^.]+", "multi": ".+", "int": _INT}.get(part.kind)
+            if body is None:
+                body = "|".join(map(re.escape, part.alts))
+            out.append(f"(?P<{prefix}{part.name}>{body})")
+            caps.append((part.name, part.kind))
+    return "".join(out), caps
+
+
+def compile_pattern(p: A.Pattern) -> re.Pattern[str]:
+    """One pattern as a compiled regex (use with ``fullmatch``)."""
+    return re.compile(pattern_regex(p)[0], re.DOTALL)
+
+
+Filter = Callable[[int, dict[str, Any]], bool]
+
+
+@dataclass
+class Alternative:
+    """One pattern of one rule; ``accept`` is the rule's filter (where / from dtype), if any."""
+
+    rule: int
+    pattern_index: int
+    pattern: A.Pattern
+    accept: Filter | None = None
+
+
+class Matcher:
+    """Finds, for each input name, the first (rule, pattern) that matches and accepts it."""
+
+    def __init__(self, alternatives: Sequence[Alternative]) -> None:
+        self.alternatives = list(alternatives)
+        sources, self._groups, self._singles = [], [], []
+        self._outer: dict[int, int] = {}
+        group_count = 0
+        for k, alt in enumerate(self.alternatives):
+            body, caps = pattern_regex(alt.pattern, prefix=f"_{k}_")
+            sources.append(f"(?P<_{k}>{body})")
+            self._outer[group_count + 1] = k
+            group_count += 1 + len(caps)
+            self._groups.append([(name, f"_{k}_{name}", kind == "int") for name, kind in caps])
+            self._singles.append(re.compile(pattern_regex(alt.pattern)[0], re.DOTALL))
+        self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
+
+    def match(self, index: int, name: str) -> tuple[int, dict[str, Any]] | None:
+        """``(alternative, captures)`` for input number ``index`` called ``name``, or None.
+
+        ``accept`` filters may raise (an expression error); the caller reports it.
+        """
+        m = self._combined.fullmatch(name)
+        if m is None:
+            return None
+        k = self._outer[m.lastindex or 0]
+        caps = {n: int(m.group(g)) if is_int else m.group(g) for n, g, is_int in self._groups[k]}
+        accept = self.alternatives[k].accept
+        if accept is None or accept(index, caps):
+            return k, caps
+        for j in range(k + 1, len(self.alternatives)):
+            mj = self._singles[j].fullmatch(name)
+            if mj is None:
+                continue
+            caps = {n: int(mj.group(n)) if is_int else mj.group(n) for n, _g, is_int in self._groups[j]}
+            accept = self.alternatives[j].accept
+            if accept is None or accept(index, caps):
+                return j, caps
+        return None
