@@ -1,0 +1,443 @@
+"""The streaming executor: a plan over an open checkpoint, into a new checkpoint.
+
+Each output tensor takes one of two paths:
+
+- **bytes**: where the output's bytes are a sequence of input byte ranges (rename, keep,
+  reshape, slices and concatenations whose outer dimensions allow it, casts to the same dtype,
+  permutes that only move size-1 dimensions), the ranges are copied in the kernel with
+  ``copy_file_range`` and never pass through Python objects;
+- **chunks**: everything else is computed in slices along one output dimension over
+  memory-mapped views, each slice small enough that the intermediates stay within the chunk
+  budget, and written at its offset.
+
+Tensors are spread over a small pool of threads; each tensor is handled by one thread, in order,
+so its checksum can be computed as it is written.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightmap._checkpoint import Checkpoint
+from weightmap._dtypes import DTYPES, numel
+from weightmap._plan import Cast, Concat, Node, Permute, Plan, Reshape, Slice, Source, Stack
+from weightmap._reference import OPAQUE_DTYPES, cast, evaluate, tensor_bytes
+from weightmap._writer import CheckpointWriter
+from weightmap.errors import ExecutionError, FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ExecutionStats",
+    "Segment",
+    "byte_segments",
+    "check_inputs",
+    "default_workers",
+    "execute",
+]
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+# Below this average size, many small kernel copies cost more than computing the tensor.
+_MIN_SEGMENT = 64 * 1024
+_FEW_SEGMENTS = 64
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of input tensor ``name`` starting ``offset`` bytes into it."""
+
+    name: str
+    offset: int
+    length: int
+
+
+def default_workers() -> int:
+    """A sensible thread count: the cores, at most 8 (the disk is the limit beyond that)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _row_bytes(node: Node, dim: int) -> int | None:
+    """Bytes of one index along ``dim`` (the product of the later dims); None if fractional."""
+    bits = numel(node.shape[dim + 1 :]) * DTYPES[node.dtype].bits
+    return bits // 8 if bits % 8 == 0 else None
+
+
+def _take(segments: list[Segment], offset: int, length: int) -> list[Segment]:
+    """The sub-sequence of bytes ``[offset, offset + length)`` of a segment list."""
+    out: list[Segment] = []
+    position = 0
+    for seg in segments:
+        end = position + seg.length
+        if end > offset and position < offset + length:
+            start = max(offset, position) - position
+            stop = min(offset + length, end) - position
+            out.append(Segment(seg.name, seg.offset + start, stop - start))
+        position = end
+        if position >= offset + length:
+            break
+    return out
+
+
+def _merge(segments: list[Segment]) -> list[Segment]:
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.length == 0:
+            continue
+        last = out[-1] if out else None
+        if last and last.name == seg.name and last.offset + last.length == seg.offset:
+            out[-1] = Segment(last.name, last.offset, last.length + seg.length)
+        else:
+            out.append(seg)
+    return out
+
+
+def byte_segments(node: Node, limit: int = 1 << 20) -> list[Segment] | None:
+    """The input byte ranges whose concatenation is the node's output, or None.
+
+    None means the output's bytes differ from any arrangement of input bytes (a cast, a real
+    permute), or that it would take more than ``limit`` ranges.
+    """
+    if isinstance(node, Source):
+        return [Segment(node.name, 0, (numel(node.shape) * DTYPES[node.dtype].bits) // 8)]
+    if isinstance(node, Reshape):
+        return byte_segments(node.src, limit)
+    if isinstance(node, Cast):
+        return byte_segments(node.src, limit) if node.src.dtype == node.dtype else None
+    if isinstance(node, Permute):
+        # Moving size-1 dims around leaves the bytes as they are.
+        moved = [p for p in node.perm if node.src.shape[p] != 1]
+        return byte_segments(node.src, limit) if moved == sorted(moved) else None
+    if isinstance(node, Slice):
+        src = byte_segments(node.src, limit)
+        inner = _row_bytes(node.src, node.dim)
+        outer = numel(node.src.shape[: node.dim])
+        if src is None or inner is None or outer > limit:
+            return None
+        row = node.src.shape[node.dim] * inner
+        out: list[Segment] = []
+        for o in range(outer):
+            out += _take(src, o * row + node.start * inner, (node.stop - node.start) * inner)
+        return _merge(out)
+    if isinstance(node, Concat | Stack):
+        parts = [byte_segments(s, limit) for s in node.srcs]
+        if any(p is None for p in parts):
+            return None
+        if isinstance(node, Stack):
+            outer = numel(node.shape[: node.dim])
+            rows = [_row_bytes(node, node.dim) for _ in node.srcs]
+        else:
+            outer = numel(node.shape[: node.dim])
+            rows = [
+                None if (r := _row_bytes(s, node.dim)) is None else r * s.shape[node.dim]
+                for s in node.srcs
+            ]
+        if outer * len(node.srcs) > limit or any(r is None for r in rows):
+            return None
+        out = []
+        for o in range(outer):
+            for part, r in zip(parts, rows, strict=True):
+                assert part is not None and r is not None
+                out += _take(part, o * r, r)
+        return _merge(out)
+    return None
+
+
+# -- the chunked compute path ------------------------------------------------------------------
+
+
+def _region(
+    node: Node, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+) -> torch.Tensor:
+    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that."""
+    import torch
+
+    if isinstance(node, Source):
+        return get(node.name).narrow(dim, start, stop - start)
+    if isinstance(node, Cast):
+        return cast(
+            _region(node.src, dim, start, stop, get, where), node.src.dtype, node.dtype, where
+        )
+    if isinstance(node, Permute):
+        return _region(node.src, node.perm[dim], start, stop, get, where).permute(node.perm)
+    if isinstance(node, Slice):
+        if dim == node.dim:
+            return _region(node.src, dim, node.start + start, node.start + stop, get, where)
+        part = _region(node.src, dim, start, stop, get, where)
+        return part.narrow(node.dim, node.start, node.stop - node.start)
+    if isinstance(node, Concat):
+        if dim != node.dim:
+            parts = [_region(s, dim, start, stop, get, where) for s in node.srcs]
+            return torch.cat(parts, node.dim)
+        pieces, base = [], 0
+        for s in node.srcs:
+            size = s.shape[dim]
+            lo, hi = max(start, base), min(stop, base + size)
+            if lo < hi:
+                pieces.append(_region(s, dim, lo - base, hi - base, get, where))
+            base += size
+        return torch.cat(pieces, dim)
+    if isinstance(node, Stack):
+        if dim == node.dim:
+            return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
+        inner = dim if dim < node.dim else dim - 1
+        return torch.stack(
+            [_region(s, inner, start, stop, get, where) for s in node.srcs], node.dim
+        )
+    if isinstance(node, Reshape):
+        if numel(node.shape[:dim]) == 1:
+            # With only size-1 dims before it, a range along `dim` is a flat range of the
+            # source too.
+            per_out = numel(node.shape[dim + 1 :])
+            part = _flat(node.src, start * per_out, stop * per_out, get, where)
+            shape = list(node.shape)
+            shape[dim] = stop - start
+            return part.reshape(shape)
+        # Only reachable under a permute that moves a reshaped dim: computed whole.
+        return evaluate(node, get, where).narrow(dim, start, stop - start)
+    raise TypeError(f"unknown plan node {type(node).__name__}")
+
+
+def _flat(
+    node: Node, lo: int, hi: int, get: Callable[[str], torch.Tensor], where: str
+) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of ``node`` in row-major order, as a 1-D tensor."""
+    if not node.shape:
+        return evaluate(node, get, where).reshape(-1)[lo:hi]
+    dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
+    per = numel(node.shape[dim + 1 :])
+    r0, r1 = lo // per, -(-hi // per)
+    part = _region(node, dim, r0, r1, get, where).reshape(-1)
+    return part[lo - r0 * per : hi - r0 * per]
+
+
+def _nodes(node: Node) -> list[Node]:
+    children: list[Node] = []
+    if isinstance(node, Concat | Stack):
+        children = list(node.srcs)
+    elif isinstance(node, Cast | Permute | Slice | Reshape):
+        children = [node.src]
+    return [node] + [n for c in children for n in _nodes(c)]
+
+
+def _chunk_plan(node: Node, budget: int) -> tuple[int, int]:
+    """The output dim to chunk along and how many indices of it per chunk.
+
+    The dim is the first of size > 1, so each chunk is one contiguous byte range of the output.
+    The step keeps every intermediate of the tree (each roughly proportional to the chunk,
+    computed at up to 8 bytes per element) within ``budget``.
+    """
+    dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
+    extent = node.shape[dim] if node.shape else 1
+    total = sum(numel(n.shape) * max(DTYPES[n.dtype].itemsize, 1) for n in _nodes(node))
+    per_index = max(1, total // max(extent, 1))
+    return dim, max(1, min(extent, budget // per_index))
+
+
+# -- driving it --------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecutionStats:
+    """What an execution did: bytes moved by each path and per-tensor checksums."""
+
+    bytes_copied: int = 0
+    bytes_computed: int = 0
+    checksums: dict[str, int] | None = None
+
+
+def check_inputs(plan: Plan, ckpt: Checkpoint) -> None:
+    """Refuse to run a plan against a checkpoint that differs from the one it was compiled for."""
+    current = {s.name: s for s in ckpt.specs()}
+    changed = [spec.name for spec in plan.inputs if current.get(spec.name) != spec]
+    if changed:
+        raise ExecutionError(
+            f"{ckpt.root}: the checkpoint differs from the one the plan was compiled for "
+            f"(first: {changed[0]!r}); compile the plan again"
+        )
+    for path, header in ckpt.headers.items():
+        st = path.stat()
+        if st.st_size != header.file_size or st.st_mtime_ns != header.mtime_ns:
+            raise FormatError(
+                "file changed since its header was read; run the conversion again",
+                path=path,
+                rule="changed",
+            )
+
+
+class _Runner:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        writer: CheckpointWriter,
+        chunk_bytes: int,
+        checksum: bool,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.ckpt = ckpt
+        self.writer = writer
+        self.chunk_bytes = chunk_bytes
+        self.checksum = checksum
+        self.progress = progress
+        self.stats = ExecutionStats(checksums={} if checksum else None)
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _report(self, n: int, copied: bool) -> None:
+        with self._lock:
+            if copied:
+                self.stats.bytes_copied += n
+            else:
+                self.stats.bytes_computed += n
+        if self.progress is not None:
+            self.progress(n)
+
+    def run(self, name: str, node: Node) -> None:
+        segments = byte_segments(node)
+        _, _, length = self.writer.target(name)
+        if segments is not None and (
+            len(segments) <= _FEW_SEGMENTS or length // len(segments) >= _MIN_SEGMENT
+        ):
+            self._copy(name, segments)
+        else:
+            self._compute(name, node)
+
+    def _copy(self, name: str, segments: list[Segment]) -> None:
+        crc = 0
+        position = 0
+        for seg in segments:
+            loc = self.ckpt.location(seg.name)
+            self.writer.copy_range(
+                name, self.fd(loc.path), loc.offset + seg.offset, seg.length, position
+            )
+            if self.checksum:
+                # Checksum the source bytes through the page cache the copy just warmed.
+                crc = zlib.crc32(self._raw(seg), crc)
+            position += seg.length
+            self._report(seg.length, copied=True)
+        if self.stats.checksums is not None:
+            self.stats.checksums[name] = crc
+
+    def _raw(self, seg: Segment) -> memoryview:
+        import torch
+
+        view = self.ckpt.view(seg.name)
+        if view.numel() == 0:
+            return memoryview(b"")
+        raw = view.reshape(-1).view(torch.uint8)[seg.offset : seg.offset + seg.length]
+        return raw.numpy().data
+
+    def _compute(self, name: str, node: Node) -> None:
+        opaque = sorted({n.dtype for n in _nodes(node)} & OPAQUE_DTYPES)
+        if opaque:
+            raise ExecutionError(
+                f"{name}: {opaque[0]} data can only be renamed, kept, reshaped, or split and "
+                "merged along whole bytes; this rule needs arithmetic on it"
+            )
+        if o_bytes(node) == 0:
+            if self.stats.checksums is not None:
+                self.stats.checksums[name] = 0
+            return
+        dim, step = _chunk_plan(node, self.chunk_bytes)
+        extent = node.shape[dim] if node.shape else 1
+        crc = 0
+        offset = 0
+        for start in range(0, max(extent, 1), step):
+            stop = min(extent, start + step)
+            if node.shape:
+                part = _region(node, dim, start, stop, self.ckpt.view, name)
+            else:
+                part = evaluate(node, self.ckpt.view, name)
+            data = tensor_bytes(part)
+            del part
+            if data:
+                self.writer.write(name, data, offset)
+                if self.checksum:
+                    crc = zlib.crc32(data, crc)
+            offset += len(data)
+            self._report(len(data), copied=False)
+        if self.stats.checksums is not None:
+            self.stats.checksums[name] = crc
+
+
+def execute(
+    plan: Plan,
+    ckpt: Checkpoint,
+    dest: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    workers: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksum: bool = False,
+    progress: ProgressFn | None = None,
+    metadata: dict[str, str] | None = None,
+    extra_files: Sequence[tuple[str, bytes]] = (),
+) -> tuple[CheckpointWriter, ExecutionStats]:
+    """Write ``plan`` applied to ``ckpt`` into ``dest`` atomically; see the module docstring."""
+    check_inputs(plan, ckpt)
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    n_workers = default_workers() if workers is None else workers
+    if n_workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    writer = CheckpointWriter(
+        dest,
+        plan.output_specs(),
+        max_shard_size=max_shard_size,
+        metadata={"format": "pt"} if metadata is None else metadata,
+        config=plan.config,
+        overwrite=overwrite,
+        protect=ckpt.files,
+    )
+    for fname, blob in extra_files:
+        writer.add_file(fname, blob)
+    runner = _Runner(ckpt, writer, chunk_bytes, checksum, progress)
+    try:
+        with writer:
+            # Biggest tensors first, so one large tensor does not finish last on its own.
+            jobs = sorted(plan.outputs, key=lambda o: -o_bytes(o.node))
+            if n_workers == 1:
+                for out in jobs:
+                    runner.run(out.name, out.node)
+            else:
+                with ThreadPoolExecutor(n_workers, thread_name_prefix="weightmap") as pool:
+                    futures = [pool.submit(runner.run, o.name, o.node) for o in jobs]
+                    for f in futures:
+                        f.result()
+    except OSError as exc:
+        if isinstance(exc, ExecutionError):
+            raise
+        raise ExecutionError(
+            f"{dest}: writing failed ({exc}); nothing was written under that name"
+        ) from exc
+    finally:
+        runner.close()
+    return writer, runner.stats
+
+
+def o_bytes(node: Node) -> int:
+    """Byte size of a node's output."""
+    bits: int = numel(node.shape) * DTYPES[node.dtype].bits
+    return bits // 8

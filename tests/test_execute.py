@@ -1,0 +1,348 @@
+"""The streaming executor against the in-memory reference, on generated plans and checkpoints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from weightmap._ast import Loc
+from weightmap._checkpoint import Checkpoint
+from weightmap._dtypes import DTYPES, TensorSpec, numel
+from weightmap._execute import _chunk_plan, byte_segments, execute
+from weightmap._inplace import recover, rewrite_inplace
+from weightmap._plan import (
+    Cast,
+    Concat,
+    Dropped,
+    Node,
+    OutputTensor,
+    Permute,
+    Plan,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+)
+from weightmap._reference import evaluate, tensor_bytes
+from weightmap.errors import CheckpointError, ExecutionError, PlanError
+
+HERE = Loc("<test>", 1, 1)
+FLOATS = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"]
+INTS = ["I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"]
+DTYPE_CHOICES = [*FLOATS, *INTS, "BOOL"]
+
+
+def plan_of(inputs: dict[str, torch.Tensor], outputs: dict[str, Node], **kw: object) -> Plan:
+    specs = tuple(
+        TensorSpec(
+            n,
+            next(k for k, d in DTYPES.items() if d.torch_name and d.torch() == t.dtype),
+            tuple(t.shape),
+        )
+        for n, t in inputs.items()
+    )
+    outs = tuple(OutputTensor(name=n, node=node, origin=HERE) for n, node in outputs.items())
+    return Plan.build(mapping_name="test", inputs=specs, outputs=outs, **kw)  # type: ignore[arg-type]
+
+
+def src(name: str, t: torch.Tensor) -> Source:
+    code = next(k for k, d in DTYPES.items() if d.torch_name and d.torch() == t.dtype)
+    return Source(name=name, dtype=code, shape=tuple(t.shape))
+
+
+# -- generated plans ---------------------------------------------------------------------------
+
+
+@st.composite
+def tensors(draw: st.DrawFn, name: str) -> torch.Tensor:
+    code = draw(st.sampled_from(DTYPE_CHOICES))
+    dims = st.integers(1, 5) | st.just(0)
+    shape = tuple(draw(st.lists(dims, min_size=0, max_size=3)))
+    n = numel(shape) * DTYPES[code].itemsize
+    if n == 0:
+        return torch.zeros(shape, dtype=DTYPES[code].torch())
+    raw = bytearray(draw(st.binary(min_size=n, max_size=n)))
+    t = torch.frombuffer(raw, dtype=torch.uint8)
+    if code == "BOOL":
+        t = t % 2
+    return t.view(DTYPES[code].torch()).reshape(shape).clone()
+
+
+@st.composite
+def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
+    node = base
+    for _ in range(draw(st.integers(0, depth))):
+        op = draw(st.sampled_from(["slice", "concat", "stack", "permute", "reshape", "cast"]))
+        rank = len(node.shape)
+        if op == "slice" and rank and all(node.shape):
+            dim = draw(st.integers(0, rank - 1))
+            size = node.shape[dim]
+            start = draw(st.integers(0, size - 1))
+            stop = draw(st.integers(start + 1, size))
+            shape = list(node.shape)
+            shape[dim] = stop - start
+            node = Slice(
+                src=node, dim=dim, start=start, stop=stop, dtype=node.dtype, shape=tuple(shape)
+            )
+        elif op == "concat" and rank:
+            dim = draw(st.integers(0, rank - 1))
+            k = draw(st.integers(1, 3))
+            shape = list(node.shape)
+            shape[dim] *= k
+            node = Concat(srcs=(node,) * k, dim=dim, dtype=node.dtype, shape=tuple(shape))
+        elif op == "stack" and rank < 4:
+            dim = draw(st.integers(0, rank))
+            k = draw(st.integers(1, 3))
+            shape = list(node.shape)
+            shape.insert(dim, k)
+            node = Stack(srcs=(node,) * k, dim=dim, dtype=node.dtype, shape=tuple(shape))
+        elif op == "permute" and rank:
+            perm = tuple(draw(st.permutations(range(rank))))
+            node = Permute(
+                src=node, perm=perm, dtype=node.dtype, shape=tuple(node.shape[p] for p in perm)
+            )
+        elif op == "reshape":
+            n = numel(node.shape)
+            shape = (
+                (0,)
+                if n == 0
+                else draw(
+                    st.sampled_from([(d, n // d) for d in range(1, n + 1) if n % d == 0] + [(n,)])
+                )
+            )
+            node = Reshape(src=node, dtype=node.dtype, shape=shape)
+        elif op == "cast":
+            kind = DTYPES[node.dtype].kind
+            if kind == "float":
+                target = draw(st.sampled_from(FLOATS))
+            elif kind in ("int", "uint"):
+                # Widening only: narrowing is range-checked, tested separately.
+                wider = [
+                    d
+                    for d in INTS
+                    if DTYPES[d].kind == kind and DTYPES[d].bits >= DTYPES[node.dtype].bits
+                ]
+                target = draw(st.sampled_from([*wider, "F64"]))
+            else:
+                target = draw(st.sampled_from(["U8", "F32"]))
+            node = Cast(src=node, dtype=target, shape=node.shape)
+    return node
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
+    inputs = {f"in{i}": draw(tensors(f"in{i}")) for i in range(draw(st.integers(1, 3)))}
+    outputs: dict[str, Node] = {}
+    for j in range(draw(st.integers(1, 4))):
+        name = draw(st.sampled_from(sorted(inputs)))
+        outputs[f"out.{j}"] = draw(nodes(src(name, inputs[name])))
+    return inputs, outputs
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    case=cases(),
+    chunk=st.sampled_from([1, 7, 64, 1 << 20]),
+    workers=st.sampled_from([1, 3]),
+    shard=st.sampled_from(["64B", "5GB"]),
+)
+def test_streaming_matches_reference(
+    tmp_path_factory: pytest.TempPathFactory,
+    case: tuple[dict[str, torch.Tensor], dict[str, Node]],
+    chunk: int,
+    workers: int,
+    shard: str,
+) -> None:
+    inputs, outputs = case
+    root = tmp_path_factory.mktemp("c")
+    save_file(inputs, root / "model.safetensors")
+    plan = plan_of(inputs, outputs)
+    expected = {n: tensor_bytes(evaluate(node, inputs.__getitem__)) for n, node in outputs.items()}
+    with Checkpoint.open(root) as ckpt:
+        execute(plan, ckpt, root / "out", chunk_bytes=chunk, workers=workers, max_shard_size=shard)
+    with Checkpoint.open(root / "out") as out:
+        assert sorted(out) == sorted(outputs)
+        for name, node in outputs.items():
+            info = out.tensors[name]
+            assert (info.dtype, info.shape) == (node.dtype, node.shape)
+            loc = out.location(name)
+            with loc.path.open("rb") as f:
+                f.seek(loc.offset)
+                assert f.read(loc.length) == expected[name], name
+
+
+# -- paths, bounds, errors ---------------------------------------------------------------------
+
+
+def _ckpt(tmp_path: Path, **tensors: torch.Tensor) -> Path:
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_renames_and_dim0_ops_are_pure_copies(tmp_path: Path) -> None:
+    w = torch.randn(8, 4)
+    root = _ckpt(tmp_path, w=w)
+    s = src("w", w)
+    outputs: dict[str, Node] = {
+        "renamed": s,
+        "top": Slice(src=s, dim=0, start=0, stop=3, dtype="F32", shape=(3, 4)),
+        "flat": Reshape(src=s, dtype="F32", shape=(32,)),
+        "twice": Concat(srcs=(s, s), dim=0, dtype="F32", shape=(16, 4)),
+    }
+    with Checkpoint.open(root) as ckpt:
+        _, stats = execute(plan_of({"w": w}, outputs), ckpt, tmp_path / "out")
+    assert stats.bytes_computed == 0
+    assert stats.bytes_copied == (32 + 12 + 32 + 64) * 4
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(out["top"], w[:3]) and torch.equal(out["twice"], torch.cat([w, w]))
+
+
+def test_byte_segments_of_column_split() -> None:
+    s = Source(name="w", dtype="F32", shape=(2, 6))
+    col = Slice(src=s, dim=1, start=2, stop=5, dtype="F32", shape=(2, 3))
+    segs = byte_segments(col)
+    assert segs is not None
+    assert [(x.offset, x.length) for x in segs] == [(8, 12), (32, 12)]
+    cast = Cast(src=s, dtype="BF16", shape=(2, 6))
+    assert byte_segments(cast) is None
+    assert byte_segments(Permute(src=s, perm=(1, 0), dtype="F32", shape=(6, 2))) is None
+    unit = Source(name="u", dtype="F32", shape=(1, 6))
+    assert byte_segments(Permute(src=unit, perm=(1, 0), dtype="F32", shape=(6, 1))) is not None
+
+
+def test_chunk_plan_bounds_memory() -> None:
+    # A 2.3 GB-class embedding cast: each chunk's intermediates stay within the budget.
+    s = Source(name="embed", dtype="BF16", shape=(163840, 7168))
+    node = Cast(src=s, dtype="F32", shape=s.shape)
+    dim, step = _chunk_plan(node, 64 * 2**20)
+    assert dim == 0
+    per_row = 7168 * (2 + 4)
+    assert step * per_row <= 64 * 2**20
+    assert step >= 1000
+
+
+def test_computed_path_used_for_casts(tmp_path: Path) -> None:
+    w = torch.randn(300, 7)
+    root = _ckpt(tmp_path, w=w)
+    node = Cast(src=src("w", w), dtype="BF16", shape=(300, 7))
+    with Checkpoint.open(root) as ckpt:
+        _, stats = execute(
+            plan_of({"w": w}, {"w": node}), ckpt, tmp_path / "out", chunk_bytes=1000, checksum=True
+        )
+    assert stats.bytes_copied == 0 and stats.bytes_computed == 300 * 7 * 2
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], w.to(torch.bfloat16))
+    assert stats.checksums is not None and set(stats.checksums) == {"w"}
+
+
+def test_narrowing_int_cast_out_of_range_fails_cleanly(tmp_path: Path) -> None:
+    w = torch.tensor([1, 2, 300], dtype=torch.int64)
+    root = _ckpt(tmp_path, w=w)
+    node = Cast(src=src("w", w), dtype="I8", shape=(3,))
+    with Checkpoint.open(root) as ckpt, pytest.raises(ExecutionError, match=r"\[1, 300\]"):
+        execute(plan_of({"w": w}, {"w": node}), ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_plan_for_another_checkpoint_is_refused(tmp_path: Path) -> None:
+    w = torch.zeros(4)
+    root = _ckpt(tmp_path, w=w)
+    plan = plan_of({"w": torch.zeros(5)}, {"w": src("w", torch.zeros(5))})
+    with Checkpoint.open(root) as ckpt, pytest.raises(ExecutionError, match="compile the plan"):
+        execute(plan, ckpt, tmp_path / "out")
+
+
+def test_invalid_worker_and_chunk_arguments(tmp_path: Path) -> None:
+    w = torch.zeros(4)
+    root = _ckpt(tmp_path, w=w)
+    plan = plan_of({"w": w}, {"w": src("w", w)})
+    with Checkpoint.open(root) as ckpt:
+        with pytest.raises(ValueError, match="workers"):
+            execute(plan, ckpt, tmp_path / "out", workers=0)
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            execute(plan, ckpt, tmp_path / "out", chunk_bytes=0)
+
+
+# -- in place ----------------------------------------------------------------------------------
+
+
+def _rename_plan(inputs: dict[str, torch.Tensor], renames: dict[str, str], **kw: object) -> Plan:
+    return plan_of(inputs, {renames.get(n, n): src(n, t) for n, t in inputs.items()}, **kw)
+
+
+def test_inplace_rename_keeps_data(tmp_path: Path) -> None:
+    inputs = {"layers.0.a": torch.randn(3, 3), "layers.0.b": torch.arange(4), "fc": torch.ones(2)}
+    root = _ckpt(tmp_path, **inputs)
+    before = (root / "model.safetensors").read_bytes()
+    plan = _rename_plan(inputs, {"layers.0.a": "midlayer.a", "layers.0.b": "midlayer.b"})
+    with Checkpoint.open(root) as ckpt:
+        rewrite_inplace(plan, ckpt)
+    after = (root / "model.safetensors").read_bytes()
+    assert len(after) == len(before)
+    header_end = 8 + int.from_bytes(before[:8], "little")
+    assert after[header_end:] == before[header_end:]
+    loaded = load_file(root / "model.safetensors")
+    assert sorted(loaded) == ["fc", "midlayer.a", "midlayer.b"]
+    assert torch.equal(loaded["midlayer.a"], inputs["layers.0.a"])
+    assert not list(root.glob(".weightmap*"))
+
+
+def test_inplace_refusals(tmp_path: Path) -> None:
+    inputs = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    root = _ckpt(tmp_path, **inputs)
+    with Checkpoint.open(root) as ckpt:
+        long = _rename_plan(inputs, {"a": "a" * 200})
+        with pytest.raises(PlanError, match="room for"):
+            rewrite_inplace(long, ckpt)
+        dropping = plan_of(
+            inputs, {"a": src("a", inputs["a"])}, dropped=(Dropped(name="b", origin=HERE),)
+        )
+        with pytest.raises(PlanError, match="cannot drop"):
+            rewrite_inplace(dropping, ckpt)
+        cast = plan_of(
+            inputs,
+            {
+                "a": Cast(src=src("a", inputs["a"]), dtype="F16", shape=(2,)),
+                "b": src("b", inputs["b"]),
+            },
+        )
+        with pytest.raises(PlanError, match="only renames"):
+            rewrite_inplace(cast, ckpt)
+
+
+def test_interrupted_inplace_is_refused_then_recovered(tmp_path: Path) -> None:
+    import weightmap._inplace as inplace
+
+    inputs = {"layers.0.a": torch.randn(3)}
+    root = _ckpt(tmp_path, **inputs)
+    plan = _rename_plan(inputs, {"layers.0.a": "midlayer.a"})
+    real = inplace._replay
+
+    def crash(*_: object) -> None:
+        raise KeyboardInterrupt  # the journal is on disk; the headers were not yet touched
+
+    inplace._replay = crash  # type: ignore[assignment]
+    try:
+        with Checkpoint.open(root) as ckpt, pytest.raises(KeyboardInterrupt):
+            rewrite_inplace(plan, ckpt)
+    finally:
+        inplace._replay = real  # type: ignore[assignment]
+    with pytest.raises(CheckpointError, match="weightmap clean"):
+        Checkpoint.open(root)
+    assert recover(root) is True
+    assert sorted(load_file(root / "model.safetensors")) == ["midlayer.a"]
+    assert recover(root) is False
+
+
+def test_math_sanity() -> None:
+    assert math.prod((2, 3)) == numel((2, 3))
