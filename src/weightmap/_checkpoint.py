@@ -25,11 +25,20 @@ from weightmap.errors import CheckpointError, FormatError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME", "Checkpoint", "TensorLocation"]
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "JOURNAL_NAME",
+    "SINGLE_NAME",
+    "Checkpoint",
+    "TensorLocation",
+]
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
+# An in-place rewrite's journal (see _inplace.py); its presence means one was interrupted.
+JOURNAL_NAME = ".weightmap-inplace-journal.json"
 # Index and config files are small; a huge one is hostile, and json would hold it all.
 _MAX_JSON_SIZE = 256 * 1024 * 1024
 
@@ -131,8 +140,10 @@ class Checkpoint:
         if not p.exists():
             raise CheckpointError("does not exist", path=p, rule="missing")
         if p.is_file():
+            cls._check_journal(p.parent)
             return cls._from_files(p.parent, [p], None)
         root = p
+        cls._check_journal(root)
         index = root / INDEX_NAME
         single = root / SINGLE_NAME
         if index.is_file():
@@ -149,6 +160,16 @@ class Checkpoint:
         raise CheckpointError(
             f"folder has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}", path=p, rule="layout"
         )
+
+    @staticmethod
+    def _check_journal(root: Path) -> None:
+        if (root / JOURNAL_NAME).exists():
+            raise CheckpointError(
+                "an in-place rewrite of this checkpoint was interrupted; run "
+                f"`weightmap clean {root}` to finish it before reading the checkpoint",
+                path=root,
+                rule="interrupted-inplace",
+            )
 
     @classmethod
     def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
