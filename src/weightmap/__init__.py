@@ -7,6 +7,11 @@ into a new safetensors checkpoint in bounded memory.
 
 from __future__ import annotations
 
+from weightmap._api import Result, compile, iter_tensors, load_mapping, presets, remap, verify
+from weightmap._checkpoint import Checkpoint
+from weightmap._inplace import recover
+from weightmap._mapping import Mapping
+from weightmap._plan import Plan
 from weightmap.errors import (
     CheckpointError,
     ExecutionError,
@@ -21,13 +26,24 @@ from weightmap.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "ExecutionError",
     "FormatError",
+    "Mapping",
     "MappingError",
     "MappingSyntaxError",
     "OutputExistsError",
+    "Plan",
     "PlanError",
+    "Result",
     "WeightmapError",
     "__version__",
+    "compile",
+    "iter_tensors",
+    "load_mapping",
+    "presets",
+    "recover",
+    "remap",
+    "verify",
 ]

@@ -1,0 +1,304 @@
+"""The Python API: ``remap``, ``compile``, ``iter_tensors``, ``load_mapping``, ``presets``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weightmap._checkpoint import Checkpoint
+from weightmap._compile import compile_plan
+from weightmap._execute import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
+from weightmap._inplace import rewrite_inplace
+from weightmap._mapping import Mapping as RuleMapping
+from weightmap._mapping import load_mapping as _load_mapping
+from weightmap._mapping import load_preset, preset_names
+from weightmap._plan import Plan
+from weightmap._reference import evaluate
+from weightmap.errors import ExecutionError, WeightmapError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Result", "compile", "iter_tensors", "load_mapping", "presets", "remap", "verify"]
+
+PathLike = str | os.PathLike[str]
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Result:
+    """What :func:`remap` did.
+
+    ``paths`` are the files written (or rewritten in place); empty for a dry run.
+    """
+
+    plan: Plan
+    dest: Path | None
+    paths: tuple[Path, ...] = ()
+    bytes_written: int = 0
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    dry_run: bool = False
+    inplace: bool = False
+    verified: bool = False
+    checksums: Mapping[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if self.dry_run:
+            return f"dry run: {len(self.plan.outputs)} tensors planned, nothing written"
+        where = "in place" if self.inplace else f"into {self.dest}"
+        return (
+            f"{len(self.plan.outputs)} tensors, {self.bytes_written:,} bytes {where} in "
+            f"{self.seconds:.2f} s" + (" (verified)" if self.verified else "")
+        )
+
+
+def load_mapping(source: PathLike | RuleMapping, *, name: str | None = None) -> RuleMapping:
+    """Load a mapping from a file path or from rule text (anything containing a newline).
+
+    >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"\\n')
+    """
+    if isinstance(source, RuleMapping):
+        return source
+    return _load_mapping(source if isinstance(source, str) else Path(source), name=name)
+
+
+def presets() -> list[str]:
+    """Names of the presets shipped in ``mappings/``."""
+    return list(preset_names())
+
+
+def _resolve(preset: str | None, mapping: PathLike | RuleMapping | None) -> RuleMapping:
+    if (preset is None) == (mapping is None):
+        raise ValueError(
+            "give exactly one of preset= (a name from weightmap.presets()) or mapping= "
+            "(a file path or rule text)"
+        )
+    if preset is not None:
+        return load_preset(preset)
+    assert mapping is not None
+    return load_mapping(mapping)
+
+
+def compile(
+    checkpoint: PathLike | Checkpoint,
+    *,
+    preset: str | None = None,
+    mapping: PathLike | RuleMapping | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Compile a mapping against a checkpoint's headers and config into a :class:`Plan`.
+
+    Reads no tensor data; every problem is reported at once as a ``MappingError``.
+
+    >>> plan = compile("examples/eagle3-speculators", preset="eagle3-sglang")
+    >>> print(plan.explain())                                   # doctest: +SKIP
+    """
+    rules = _resolve(preset, mapping)
+    if isinstance(checkpoint, Checkpoint):
+        return compile_plan(rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}))
+    with Checkpoint.open(checkpoint) as ckpt:
+        return compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+
+
+def _progress_fn(
+    progress: bool | ProgressCallback | None, total: int
+) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A per-chunk byte counter and a closer, from the ``progress`` argument."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if progress is False:
+        return None, lambda: None
+    if progress is True:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="weightmap", leave=False
+        )
+        def update(n: int) -> None:
+            bar.update(n)
+
+        return update, bar.close
+    callback = progress
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        callback(done, total)
+
+    return tick, lambda: None
+
+
+def remap(
+    checkpoint: PathLike,
+    out: PathLike | None = None,
+    *,
+    preset: str | None = None,
+    mapping: PathLike | RuleMapping | None = None,
+    params: Mapping[str, Any] | None = None,
+    max_shard_size: int | str = "5GB",
+    dry_run: bool = False,
+    inplace: bool = False,
+    overwrite: bool = False,
+    verify: bool = False,
+    progress: bool | ProgressCallback | None = None,
+    workers: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Result:
+    """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
+
+    - ``checkpoint``: a folder (``model.safetensors`` or shards + index, optional config.json)
+      or one ``.safetensors`` file.
+    - ``preset`` names a mapping from :func:`presets`; ``mapping`` is a file path or rule text.
+      ``params`` overrides the mapping's ``param`` defaults.
+    - ``dry_run=True`` compiles and returns the plan, writing nothing.
+    - ``inplace=True`` rewrites the headers of a rename-only plan where they are (no ``out``).
+    - The output is written atomically into ``out`` (a folder); an existing ``out`` is replaced
+      only with ``overwrite=True`` and never when it holds the input.
+    - ``verify=True`` re-reads the output and checks names, dtypes, shapes and a checksum of
+      every tensor taken while writing.
+    - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
+      is called as ``progress(bytes_done, bytes_total)``.
+    - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
+      memory of computed tensors (default 64 MiB).
+
+    >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
+    ... # doctest: +SKIP
+    """
+    if inplace and out is not None:
+        raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
+    if not (dry_run or inplace) and out is None:
+        raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
+    start = time.perf_counter()
+    rules = _resolve(preset, mapping)
+    with Checkpoint.open(checkpoint) as ckpt:
+        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        if dry_run:
+            return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
+        if inplace:
+            files = rewrite_inplace(plan, ckpt)
+            return Result(
+                plan=plan,
+                dest=ckpt.root,
+                paths=tuple(files),
+                inplace=True,
+                seconds=time.perf_counter() - start,
+            )
+        assert out is not None
+        total = sum(s.nbytes for s in plan.output_specs())
+        tick, close = _progress_fn(progress, total)
+        try:
+            writer, stats = execute(
+                plan,
+                ckpt,
+                out,
+                max_shard_size=max_shard_size,
+                overwrite=overwrite,
+                workers=workers,
+                chunk_bytes=chunk_bytes,
+                checksum=verify,
+                progress=tick,
+            )
+        finally:
+            close()
+    dest = Path(out)
+    paths = tuple(dest / s.filename for s in writer.shards)
+    if verify:
+        _verify(plan, dest, stats)
+    return Result(
+        plan=plan,
+        dest=dest,
+        paths=paths,
+        bytes_written=stats.bytes_copied + stats.bytes_computed,
+        bytes_copied=stats.bytes_copied,
+        seconds=time.perf_counter() - start,
+        verified=verify,
+        checksums=dict(stats.checksums or {}),
+    )
+
+
+def _verify(plan: Plan, dest: Path, stats: ExecutionStats) -> None:
+    problems = verify(dest, plan, stats.checksums or {})
+    if problems:
+        raise ExecutionError(
+            f"{dest}: verification failed: {'; '.join(problems[:5])}"
+            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        )
+
+
+def verify(dest: PathLike, plan: Plan, checksums: Mapping[str, int]) -> list[str]:
+    """Re-read a written checkpoint; the list of ways it differs from ``plan`` (empty if none).
+
+    ``checksums`` maps output names to the CRC-32 of their bytes, as ``Result.checksums`` holds.
+    """
+    import torch
+
+    problems: list[str] = []
+    with Checkpoint.open(dest) as ckpt:
+        expected = {s.name: s for s in plan.output_specs()}
+        found = {s.name: s for s in ckpt.specs()}
+        problems += [f"{n!r} is missing" for n in expected if n not in found]
+        problems += [f"{n!r} is unexpected" for n in found if n not in expected]
+        for name, spec in expected.items():
+            got = found.get(name)
+            if got is None:
+                continue
+            if got != spec:
+                problems.append(
+                    f"{name!r} is {got.dtype}{list(got.shape)}, planned "
+                    f"{spec.dtype}{list(spec.shape)}"
+                )
+                continue
+            if name in checksums:
+                view = ckpt.view(name)
+                raw = view.reshape(-1).view(torch.uint8) if view.numel() else None
+                crc = 0 if raw is None else zlib.crc32(raw.numpy().data)
+                if crc != checksums[name]:
+                    problems.append(f"{name!r} bytes differ from what was written")
+        if plan.config is not None and ckpt.config != plan.config:
+            problems.append("config.json differs from the plan's")
+    return problems
+
+
+def iter_tensors(
+    checkpoint: PathLike,
+    *,
+    preset: str | None = None,
+    mapping: PathLike | RuleMapping | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` of the remapped checkpoint lazily, one output at a time.
+
+    Tensors whose bytes are unchanged (renames, keeps, reshapes, slices along the first
+    dimension) are zero-copy views of the memory-mapped input — copy-on-write, so writing to
+    them never touches the file. Computed tensors are built one at a time. This is the shape a
+    serving engine's ``load_weights(weights: Iterable[tuple[str, Tensor]])`` consumes::
+
+        model.load_weights(weightmap.iter_tensors(path, preset="eagle3-sglang"))
+
+    The whole plan is compiled (and every problem reported) before the first tensor is yielded.
+    """
+    rules = _resolve(preset, mapping)
+    ckpt = Checkpoint.open(checkpoint)
+    try:
+        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+    except WeightmapError:
+        ckpt.close()
+        raise
+    return _iterate(plan, ckpt)
+
+
+def _iterate(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        for out in plan.outputs:
+            t = evaluate(out.node, ckpt.view, out.name)
+            yield out.name, t if t.is_contiguous() else t.contiguous()
+    finally:
+        ckpt.close()
