@@ -170,7 +170,9 @@ class Exists:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
-Expr = Union[Lit, Name, ConfigRef, Attr, Index, Call, Unary, BinOp, ListExpr, DictExpr, Comp, Exists]
+Expr = Union[  # noqa: UP007  # an alias spelled the same way as the others below
+    Lit, Name, ConfigRef, Attr, Index, Call, Unary, BinOp, ListExpr, DictExpr, Comp, Exists
+]
 
 # ---------------------------------------------------------------- patterns and templates
 
@@ -200,7 +202,7 @@ class Glob:
     multi: bool
 
 
-PatPart = Union[str, Capture, Alt, Glob]
+PatPart = Union[str, Capture, Alt, Glob]  # noqa: UP007
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,7 +367,7 @@ class CfgIf:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
-CfgStmt = Union[CfgSet, CfgDelete, CfgMove, CfgLift, CfgIf]
+CfgStmt = Union[CfgSet, CfgDelete, CfgMove, CfgLift, CfgIf]  # noqa: UP007
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -386,7 +388,7 @@ class If:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
-Stmt = Union[Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If]
+Stmt = Union[Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If]  # noqa: UP007
 
 
 @dataclass(frozen=True, kw_only=True)

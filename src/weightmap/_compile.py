@@ -96,7 +96,9 @@ class _Compiler:
         for name, value in (overrides or {}).items():
             if name not in values:
                 known = ", ".join(sorted(values)) or "none"
-                self.report(A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})")
+                self.report(
+                    A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})"
+                )
             elif type(value) is not type(values[name]) and values[name] is not None:
                 self.report(
                     self.mapping.param_locs[name],
@@ -123,7 +125,9 @@ class _Compiler:
                 out.configs.append(st)
             elif isinstance(st, A.Unmatched):
                 if out.unmatched is not None:
-                    self.report(st.loc, f"a second `unmatched` (the first is at {out.unmatched.loc})")
+                    self.report(
+                        st.loc, f"a second `unmatched` (the first is at {out.unmatched.loc})"
+                    )
                 out.unmatched = st
 
     def checks(self, checks: list[A.Require | A.Warn], scope: Scope) -> None:
@@ -195,7 +199,9 @@ class _Compiler:
     def check_rule(self, rule: A.Rule) -> bool:
         for word in (rule.from_dtype, rule.to_dtype):
             if word is not None and not dtype_known(word):
-                self.report(rule.loc, f"unknown dtype `{word}` (e.g. f32, bf16, f16, fp8_e4m3, i64)")
+                self.report(
+                    rule.loc, f"unknown dtype `{word}` (e.g. f32, bf16, f16, fp8_e4m3, i64)"
+                )
                 return False
         return True
 
@@ -209,11 +215,22 @@ class _Compiler:
                 if i in found:
                     continue
                 if p.is_literal and p.text in owner:
-                    self.report(p.loc, f"input `{p.text}` is consumed twice: first by the rule at {owner[p.text]}")
+                    self.report(
+                        p.loc,
+                        f"input `{p.text}` is consumed twice: first by the rule at {owner[p.text]}",
+                    )
                 elif p.is_literal:
-                    self.report(p.loc, f"input tensor `{p.text}` is missing (write `{rule.op}?` if it is optional)")
+                    self.report(
+                        p.loc,
+                        f"input tensor `{p.text}` is missing"
+                        f" (write `{rule.op}?` if it is optional)",
+                    )
                 else:
-                    self.report(p.loc, f'pattern "{p.text}" matches no input tensor (write `{rule.op}?` if that is expected)')
+                    self.report(
+                        p.loc,
+                        f'pattern "{p.text}" matches no input tensor'
+                        f" (write `{rule.op}?` if that is expected)",
+                    )
 
 
 class _FilterError(Exception):
@@ -259,7 +276,7 @@ def compile_plan(
     position = {s.name: i for i, s in enumerate(c.inputs)}
     outputs: list[tuple[int, OutputTensor]] = []
     dropped: list[Dropped] = []
-    for rule, matches in zip(rules, per_rule):
+    for rule, matches in zip(rules, per_rule, strict=True):
 
         def emit(name: str, node: Node, rule: A.Rule = rule) -> None:
             order = min(position[s.name] for s in node.sources())
@@ -339,7 +356,9 @@ def _check_names(outputs: list[OutputTensor], c: _Compiler) -> None:
         if bad:
             c.report(o.origin, f"output name {o.name[:80]!r} {bad}")
         if o.name in seen:
-            c.report(o.origin, f"output `{o.name}` is also produced by the rule at {seen[o.name].origin}")
+            c.report(
+                o.origin, f"output `{o.name}` is also produced by the rule at {seen[o.name].origin}"
+            )
         else:
             seen[o.name] = o
 

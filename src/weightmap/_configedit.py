@@ -33,7 +33,9 @@ def _parent(cfg: dict[str, Any], path: tuple[str, ...], create: bool) -> dict[st
             obj[key] = {}
         nxt = obj[key]
         if not isinstance(nxt, dict):
-            return f"`{_dotted(path[: i + 1])}` is not an object, so it has no field `{path[i + 1]}`"
+            return (
+                f"`{_dotted(path[: i + 1])}` is not an object, so it has no field `{path[i + 1]}`"
+            )
         obj = nxt
     return obj
 

@@ -43,7 +43,9 @@ def explain(plan: Plan) -> str:
     lines = [f"plan for mapping {plan.mapping_name!r}"]
     if plan.params:
         lines.append("params: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in plan.params.items()))
-    lines.append(f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped")
+    lines.append(
+        f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped"
+    )
     rows = []
     for out in plan.outputs:
         srcs = out.node.sources()

@@ -22,20 +22,20 @@ __all__ = [
     "MissingField",
     "Scope",
     "compile_expr",
-    "resolve_dtype",
     "render",
+    "resolve_dtype",
     "truth",
 ]
 
 # Lower-case spellings accepted wherever a dtype is named; the canonical upper-case
 # safetensors names are accepted too.
 DTYPE_ALIASES: dict[str, str] = {
-    **{alias: "F64" for alias in ("f64", "fp64", "float64", "double")},
-    **{alias: "F32" for alias in ("f32", "fp32", "float32", "float")},
-    **{alias: "F16" for alias in ("f16", "fp16", "float16", "half")},
-    **{alias: "BF16" for alias in ("bf16", "bfloat16")},
-    **{alias: "F8_E4M3" for alias in ("f8_e4m3", "fp8_e4m3", "float8_e4m3fn", "e4m3")},
-    **{alias: "F8_E5M2" for alias in ("f8_e5m2", "fp8_e5m2", "float8_e5m2", "e5m2")},
+    **dict.fromkeys(("f64", "fp64", "float64", "double"), "F64"),
+    **dict.fromkeys(("f32", "fp32", "float32", "float"), "F32"),
+    **dict.fromkeys(("f16", "fp16", "float16", "half"), "F16"),
+    **dict.fromkeys(("bf16", "bfloat16"), "BF16"),
+    **dict.fromkeys(("f8_e4m3", "fp8_e4m3", "float8_e4m3fn", "e4m3"), "F8_E4M3"),
+    **dict.fromkeys(("f8_e5m2", "fp8_e5m2", "float8_e5m2", "e5m2"), "F8_E5M2"),
     **{f"i{b}": f"I{b}" for b in (8, 16, 32, 64)},
     **{f"int{b}": f"I{b}" for b in (8, 16, 32, 64)},
     **{f"u{b}": f"U{b}" for b in (8, 16, 32, 64)},
@@ -86,9 +86,14 @@ Fn = Callable[[Scope], Any]
 def _type_name(v: Any) -> str:
     if v is None:
         return "null"
-    return {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "object"}.get(
-        type(v), type(v).__name__
-    )
+    return {
+        bool: "bool",
+        int: "int",
+        float: "float",
+        str: "string",
+        list: "list",
+        dict: "object",
+    }.get(type(v), type(v).__name__)
 
 
 def show(v: Any) -> str:
@@ -111,7 +116,7 @@ def equal(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if _is_num(a) and _is_num(b):
@@ -144,9 +149,9 @@ def describe(e: A.Expr) -> str:
 
 
 def _arith(op: str, a: Any, b: Any, loc: A.Loc) -> Any:
-    if op == "+" and (
-        (isinstance(a, str) and isinstance(b, str)) or (isinstance(a, list) and isinstance(b, list))
-    ):
+    if op == "+" and isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if op == "+" and isinstance(a, list) and isinstance(b, list):
         return a + b
     if op == "*" and isinstance(a, list) and isinstance(b, int) and not isinstance(b, bool):
         return a * b
@@ -154,7 +159,11 @@ def _arith(op: str, a: Any, b: Any, loc: A.Loc) -> Any:
         raise EvalError(f"cannot apply {op} to {show(a)} and {show(b)}", loc)
     if op in ("//", "%") and b == 0:
         raise EvalError(f"division by zero in {show(a)} {op} 0", loc)
-    return {"+": a + b, "-": a - b, "*": a * b}[op] if op in "+-*" else (a // b if op == "//" else a % b)
+    return (
+        {"+": a + b, "-": a - b, "*": a * b}[op]
+        if op in "+-*"
+        else (a // b if op == "//" else a % b)
+    )
 
 
 def _compare(op: str, a: Any, b: Any, loc: A.Loc) -> bool:

@@ -40,7 +40,7 @@ class Members:
     def label(self, member: Any) -> str:
         """A member as the user wrote it, for messages."""
         if self.kind == "words":
-            return self.words[member]
+            return str(self.words[member])
         if self.kind == "int":
             return f"{self.var}={member}"
         return f"pattern {member + 1}"
@@ -76,7 +76,9 @@ def members_of(rule: A.Rule, params: set[str]) -> Members:
         return Members("int", var, (), sorted(names[0] - {var}))
     if cap.kind == "alt":
         return Members("words", var, cap.alts, sorted(names[0] - {var}))
-    raise RuleProblem(f"members are told apart by {{{var}}}: make it {{{var}:int}} or {{{var}:a,b}}")
+    raise RuleProblem(
+        f"members are told apart by {{{var}}}: make it {{{var}:int}} or {{{var}:a,b}}"
+    )
 
 
 def build_group(
@@ -94,7 +96,7 @@ def build_group(
         groups.setdefault(key, {})[members.member(m)] = m
     tmpl = compile_template(rule.outputs[0])
     for key, by_member in groups.items():
-        caps = dict(zip(members.key, key))
+        caps = dict(zip(members.key, key, strict=True))
         where = ", ".join(f"{k}={show(v)}" for k, v in caps.items()) or "the only group"
         try:
             if members.kind == "int":
@@ -109,7 +111,9 @@ def build_group(
             ordered = [by_member[x] for x in expected]
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
-            report(p.loc, p.message if p.message.startswith("group") else f"group {where}: {p.message}")
+            report(
+                p.loc, p.message if p.message.startswith("group") else f"group {where}: {p.message}"
+            )
 
 
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:
@@ -124,8 +128,13 @@ def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]
     if rule.op == "stack":
         if len({x.shape for x in specs}) > 1:
             raise RuleProblem(f"members have different shapes: {listing}")
-        d = norm_dim(as_int(evaluate(rule.dim, s), "dim") if rule.dim else 0, len(first.shape), f"`{first.name}`", 1)
-        shape = first.shape[:d] + (len(specs),) + first.shape[d:]
+        d = norm_dim(
+            as_int(evaluate(rule.dim, s), "dim") if rule.dim else 0,
+            len(first.shape),
+            f"`{first.name}`",
+            1,
+        )
+        shape = (*first.shape[:d], len(specs), *first.shape[d:])
         return Stack(dtype=first.dtype, shape=shape, srcs=srcs, dim=d)
     d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(first.shape), f"`{first.name}`")  # type: ignore[arg-type]
     rest = {x.shape[:d] + x.shape[d + 1 :] for x in specs}
@@ -135,6 +144,8 @@ def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]
     if rule.sizes is not None:
         declared = as_ints(evaluate(rule.sizes, s), "sizes")
         if declared != widths:
-            raise RuleProblem(f"declared sizes {declared} but the members have {widths} along dim {d}")
-    shape = first.shape[:d] + (sum(widths),) + first.shape[d + 1 :]
+            raise RuleProblem(
+                f"declared sizes {declared} but the members have {widths} along dim {d}"
+            )
+    shape = (*first.shape[:d], sum(widths), *first.shape[d + 1 :])
     return Concat(dtype=first.dtype, shape=shape, srcs=srcs, dim=d)

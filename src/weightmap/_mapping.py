@@ -64,7 +64,9 @@ class Mapping:
 
         program = invert_program(self.program)
         text = unparse(program)
-        return _from_program(f"{self.name} (inverse)", text, parse_program(text, f"{self.name}.inverse"))
+        return _from_program(
+            f"{self.name} (inverse)", text, parse_program(text, f"{self.name}.inverse")
+        )
 
 
 def _resolve_includes(
@@ -103,7 +105,9 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
         if not isinstance(st, A.Param):
             continue
         if st.name in values:
-            problems.append(f"{st.loc}: param {st.name!r} is declared twice (first at {locs[st.name]})")
+            problems.append(
+                f"{st.loc}: param {st.name!r} is declared twice (first at {locs[st.name]})"
+            )
             continue
         if st.name in TENSOR_NAMES or resolve_dtype(st.name):
             problems.append(f"{st.loc}: param {st.name!r} would hide a built-in name; rename it")

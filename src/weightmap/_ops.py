@@ -14,7 +14,7 @@ from typing import Any
 from weightmap import _ast as A
 from weightmap._dtypes import DTYPES, TensorSpec, numel
 from weightmap._expr import EvalError, Scope, compile_expr, compile_template, resolve_dtype, show
-from weightmap._plan import Cast, Dropped, Node, OutputTensor, Permute, Reshape, Slice, Source
+from weightmap._plan import Cast, Dropped, Node, Permute, Reshape, Slice, Source
 
 __all__ = ["FLOAT_CASTS", "INT_CASTS", "Match", "RuleProblem", "build_simple", "check_cast"]
 
@@ -129,8 +129,10 @@ def build_simple(
             sizes = [spec.shape[d] // parts] * parts
         start = 0
         for i, size in enumerate(sizes):
-            shape = spec.shape[:d] + (size,) + spec.shape[d + 1 :]
-            node = Slice(dtype=spec.dtype, shape=shape, src=src, dim=d, start=start, stop=start + size)
+            shape = (*spec.shape[:d], size, *spec.shape[d + 1 :])
+            node = Slice(
+                dtype=spec.dtype, shape=shape, src=src, dim=d, start=start, stop=start + size
+            )
             emit(compile_template(rule.outputs[i])(s), node)
             start += size
     elif op == "unstack":
@@ -139,7 +141,7 @@ def build_simple(
         tmpl = compile_template(rule.outputs[0])
         shape = spec.shape[:d] + spec.shape[d + 1 :]
         for i in range(spec.shape[d]):
-            piece_shape = spec.shape[:d] + (1,) + spec.shape[d + 1 :]
+            piece_shape = (*spec.shape[:d], 1, *spec.shape[d + 1 :])
             piece = Slice(dtype=spec.dtype, shape=piece_shape, src=src, dim=d, start=i, stop=i + 1)
             out = tmpl(scope.with_tensor(spec, {**m.caps, var: i}))
             emit(out, Reshape(dtype=spec.dtype, shape=shape, src=piece))
@@ -176,7 +178,9 @@ def _permute(
     emit(_name(rule, s), Permute(dtype=src.dtype, shape=shape, src=src, perm=tuple(perm)))
 
 
-def _reshape(rule: A.Rule, s: Scope, src: Node, name: str, emit: Callable[[str, Node], None]) -> None:
+def _reshape(
+    rule: A.Rule, s: Scope, src: Node, name: str, emit: Callable[[str, Node], None]
+) -> None:
     if rule.from_shape is not None:
         expect = as_ints(evaluate(rule.from_shape, s), "from shape")
         if tuple(expect) != src.shape:

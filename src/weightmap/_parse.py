@@ -26,14 +26,31 @@ from weightmap import _ast as A
 from weightmap._resources import read_text
 from weightmap.errors import MappingSyntaxError
 
-__all__ = ["LANGUAGE_VERSION", "parse_program", "parse_pattern", "parse_template", "syntax_error"]
+__all__ = ["LANGUAGE_VERSION", "parse_pattern", "parse_program", "parse_template", "syntax_error"]
 
 LANGUAGE_VERSION = 1
 
-STATEMENT_KEYWORDS = (
-    "rename keep drop split chunk merge stack unstack transpose permute reshape cast "
-    "require warn param include unmatched config if"
-).split()
+STATEMENT_KEYWORDS = [
+    "rename",
+    "keep",
+    "drop",
+    "split",
+    "chunk",
+    "merge",
+    "stack",
+    "unstack",
+    "transpose",
+    "permute",
+    "reshape",
+    "cast",
+    "require",
+    "warn",
+    "param",
+    "include",
+    "unmatched",
+    "config",
+    "if",
+]
 CONFIG_KEYWORDS = ("delete", "move", "lift", "if")
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -232,7 +249,9 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "") -> A.Pattern:
             part = A.Capture(name, "multi" if multi else "seg")
         if isinstance(part, A.Capture):
             if part.name in names:
-                _in_string_error(source, loc, off, f"capture {{{name}}} appears twice", "rename one")
+                _in_string_error(
+                    source, loc, off, f"capture {{{name}}} appears twice", "rename one"
+                )
             names.add(part.name)
         parts.append(part)
     return A.Pattern(text=text, parts=tuple(parts), loc=loc)
@@ -297,7 +316,7 @@ class _Builder:
         loc = self.loc(t, fallback)
         if isinstance(t, Token):  # pragma: no cover - every expression token sits in a tree
             raise TypeError(t)
-        c = t.children
+        c: list[Any] = list(t.children)
         kind = t.data
         if kind == "int":
             return A.Lit(value=int(c[0]), loc=loc)
@@ -328,8 +347,8 @@ class _Builder:
             op = kind[:-1]
             return A.BinOp(op=op, left=self.expr(c[0], loc), right=self.expr(c[1], loc), loc=loc)
         if kind in ("compare", "binop"):
-            l, r = self.expr(c[0], loc), self.expr(c[2], loc)
-            return A.BinOp(op=str(c[1]), left=l, right=r, loc=loc)
+            lhs, rhs = self.expr(c[0], loc), self.expr(c[2], loc)
+            return A.BinOp(op=str(c[1]), left=lhs, right=rhs, loc=loc)
         if kind in ("in_", "not_in"):
             op = "in" if kind == "in_" else "not in"
             return A.BinOp(op=op, left=self.expr(c[0], loc), right=self.expr(c[1], loc), loc=loc)
@@ -341,7 +360,9 @@ class _Builder:
             return A.Comp(elt=self.expr(c[0], loc), var=str(c[1]), iterable=it, cond=cond, loc=loc)
         if kind == "dict":
             pairs = [x for x in c if x is not None]
-            items = tuple((self.string(p.children[0]), self.expr(p.children[1], loc)) for p in pairs)
+            items = tuple(
+                (self.string(p.children[0]), self.expr(p.children[1], loc)) for p in pairs
+            )
             return A.DictExpr(items=items, loc=loc)
         raise TypeError(f"unknown expression node {kind}")  # pragma: no cover
 
@@ -350,7 +371,8 @@ class _Builder:
         return tuple(self.stmt(t) for t in trees if isinstance(t, Tree))
 
     def stmt(self, t: Tree[Any]) -> A.Stmt:
-        loc, c, kind = self.loc(t), t.children, str(t.data)
+        loc, kind = self.loc(t), str(t.data)
+        c: list[Any] = list(t.children)
         if kind == "param":
             return A.Param(name=str(c[0]), default=self.expr(c[1], loc), loc=loc)
         if kind == "include":
@@ -363,8 +385,12 @@ class _Builder:
             cond = self.expr(c[0], loc) if len(c) == 2 else None
             return A.Warn(cond=cond, message=self.template(c[-1]), loc=loc)
         if kind == "if_stmt":
-            then = [x for x in c[1:] if isinstance(x, Tree) and x.data not in ("else_block", "else_if")]
-            return A.If(cond=self.expr(c[0], loc), then=self.stmts(then), orelse=self._else(c), loc=loc)
+            then = [
+                x for x in c[1:] if isinstance(x, Tree) and x.data not in ("else_block", "else_if")
+            ]
+            return A.If(
+                cond=self.expr(c[0], loc), then=self.stmts(then), orelse=self._else(c), loc=loc
+            )
         if kind == "config_block":
             return A.ConfigBlock(stmts=tuple(self.cfg(x) for x in c), loc=loc)
         return self.rule(t)
@@ -378,7 +404,8 @@ class _Builder:
         return ()
 
     def cfg(self, t: Tree[Any]) -> A.CfgStmt:
-        loc, c, kind = self.loc(t), t.children, str(t.data)
+        loc, kind = self.loc(t), str(t.data)
+        c: list[Any] = list(t.children)
         if kind == "cfg_set":
             return A.CfgSet(path=self.path(c[0]), value=self.expr(c[1], loc), loc=loc)
         if kind == "cfg_delete":
@@ -404,14 +431,16 @@ class _Builder:
         raise TypeError(f"unknown config statement {kind}")  # pragma: no cover
 
     def path(self, t: Tree[Any]) -> tuple[str, ...]:
-        return tuple(self.string(x) if x.type == "STRING" else str(x) for x in t.children)
+        children: list[Any] = list(t.children)
+        return tuple(self.string(x) if x.type == "STRING" else str(x) for x in children)
 
     def rule(self, t: Tree[Any]) -> A.Rule:
         loc, op = self.loc(t), str(t.data)
         fields: dict[str, Any] = {}
         strings: list[Token] = []
         optional = False
-        for x in t.children:
+        children: list[Any] = list(t.children)
+        for x in children:
             if isinstance(x, Token):
                 if x.type == "OPT":
                     optional = True
@@ -443,7 +472,10 @@ class _Builder:
         n_in = len(strings) if op in ("keep", "drop") else _count_input_strings(t)
         patterns = tuple(self.pattern(s) for s in strings[:n_in])
         outputs = tuple(self.template(s) for s in strings[n_in:])
-        return A.Rule(op=op, optional=optional, patterns=patterns, outputs=outputs, loc=loc, **fields)  # type: ignore[arg-type]
+        rule_op: A.RuleOp = op  # type: ignore[assignment]  # the grammar's rule names
+        return A.Rule(
+            op=rule_op, optional=optional, patterns=patterns, outputs=outputs, loc=loc, **fields
+        )
 
 
 def _count_input_strings(t: Tree[Any]) -> int:
@@ -456,7 +488,6 @@ def _count_input_strings(t: Tree[Any]) -> int:
     return 1
 
 
-
 def parse_program(text: str, file: str = "<string>") -> A.Program:
     """Parse mapping source text into a :class:`Program`; MappingSyntaxError on any error."""
     try:
@@ -466,7 +497,7 @@ def parse_program(text: str, file: str = "<string>") -> A.Program:
     except LarkError as exc:  # pragma: no cover - grammar bugs only
         syntax_error(text, A.Loc(file, 1, 1), f"cannot parse: {exc}")
     b = _Builder(text, file)
-    header = tree.children[0]
+    header: Any = tree.children[0]
     version = int(header.children[0])
     if version != LANGUAGE_VERSION:
         syntax_error(

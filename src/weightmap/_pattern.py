@@ -101,7 +101,9 @@ class Matcher:
             mj = self._singles[j].fullmatch(name)
             if mj is None:
                 continue
-            caps = {n: int(mj.group(n)) if is_int else mj.group(n) for n, _g, is_int in self._groups[j]}
+            caps = {
+                n: int(mj.group(n)) if is_int else mj.group(n) for n, _g, is_int in self._groups[j]
+            }
             accept = self.alternatives[j].accept
             if accept is None or accept(index, caps):
                 return j, caps

@@ -221,7 +221,9 @@ class Plan:
     params_json: str = "{}"
     config_json: str | None = None
     input_config_json: str | None = None
-    _by_name: dict[str, OutputTensor] = field(default_factory=dict, compare=False, repr=False, hash=False)
+    _by_name: dict[str, OutputTensor] = field(
+        default_factory=dict, compare=False, repr=False, hash=False
+    )
 
     @classmethod
     def build(
@@ -257,7 +259,10 @@ class Plan:
     @property
     def config(self) -> dict[str, Any] | None:
         """The output config.json as a fresh dict, or None if the input had none."""
-        return None if self.config_json is None else json.loads(self.config_json)  # type: ignore[no-any-return]
+        if self.config_json is None:
+            return None
+        result: dict[str, Any] = json.loads(self.config_json)
+        return result
 
     @property
     def input_config(self) -> dict[str, Any] | None:
@@ -318,7 +323,9 @@ class Plan:
             mapping_name=d["mapping"],
             inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in d["inputs"]),
             outputs=tuple(
-                OutputTensor(name=o["name"], node=node_from_dict(o["node"]), origin=_loc(o["origin"]))
+                OutputTensor(
+                    name=o["name"], node=node_from_dict(o["node"]), origin=_loc(o["origin"])
+                )
                 for o in d["outputs"]
             ),
             dropped=tuple(Dropped(name=x["name"], origin=_loc(x["origin"])) for x in d["dropped"]),

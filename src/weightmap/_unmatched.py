@@ -34,9 +34,9 @@ def compact_names(names: list[str]) -> list[str]:
     for name in names:
         segs = name.split(".")
         key = tuple("#" if s.isdigit() and (s == "0" or s[0] != "0") else s for s in segs)
-        nums = [int(s) for s, k in zip(segs, key) if k == "#"]
+        nums = [int(s) for s, k in zip(segs, key, strict=True) if k == "#"]
         slots = groups.setdefault(key, [set() for _ in nums])
-        for slot, n in zip(slots, nums):
+        for slot, n in zip(slots, nums, strict=True):
             slot.add(n)
         counts[key] = counts.get(key, 0) + 1
     lines = []

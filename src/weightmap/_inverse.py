@@ -1,0 +1,278 @@
+"""``Mapping.inverse()``: turn each rule around, or say why it cannot be turned around.
+
+A rule inverts when its output names keep every capture of its input pattern (so the input
+name can be rebuilt) and its operation loses nothing:
+
+* rename/keep: output template <-> input pattern; a hole ``{n - 1}`` becomes ``{n:int}`` and
+  the way back writes ``{n + 1}``;
+* split/chunk <-> merge; stack <-> unstack; transpose is its own inverse; permute inverts its
+  order; reshape needs ``from [...]`` (the shape to go back to); merge needs ``sizes``;
+* cast needs ``from`` and must widen (every value of the source type is exact in the target:
+  bf16/f16 -> f32 -> f64, fp8 -> f16/bf16/f32/f64, integers to a wider type). Its inverse
+  narrows again, which is exact for values that came from the narrower type;
+* ``where`` may use captures and params only; requires and warnings are dropped (they speak of
+  the forward input); config blocks invert only when they hold nothing but ``move``.
+
+drop, ``unmatched drop``, globs in renamed patterns, set/delete/lift are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from weightmap import _ast as A
+from weightmap._dtypes import DTYPES
+from weightmap._expr import TENSOR_NAMES, resolve_dtype
+from weightmap._ops import template_names
+from weightmap._plan import int_cast_fits
+from weightmap._unparse import pattern_text, template_text
+from weightmap.errors import MappingError
+
+__all__ = ["invert_program", "lossless_cast"]
+
+# (exponent bits, mantissa bits): A's values are all exact in B when both are <=.
+_FLOAT_BITS = {"F8_E4M3": (4, 3), "F8_E5M2": (5, 2), "F16": (5, 10), "BF16": (8, 7),
+               "F32": (8, 23), "F64": (11, 52)}  # fmt: skip
+
+
+class _Refuse(Exception):
+    pass
+
+
+def lossless_cast(src: str, dst: str) -> bool:
+    """True when every ``src`` value is represented exactly in ``dst``."""
+    if src in _FLOAT_BITS and dst in _FLOAT_BITS:
+        (e1, m1), (e2, m2) = _FLOAT_BITS[src], _FLOAT_BITS[dst]
+        return e1 <= e2 and m1 <= m2
+    kinds = {DTYPES[src].kind, DTYPES[dst].kind}
+    return kinds <= {"int", "uint"} and int_cast_fits(src, dst)
+
+
+def _pattern(parts: list[A.PatPart]) -> A.Pattern:
+    return A.Pattern(text=pattern_text(tuple(parts)), parts=tuple(parts))
+
+
+def _template(parts: list[str | A.Expr]) -> A.Template:
+    return A.Template(text=template_text(tuple(parts)), parts=tuple(parts))
+
+
+def _to_template(p: A.Pattern, subst: dict[str, A.Expr]) -> A.Template:
+    """The forward input pattern as the inverse's output template."""
+    parts: list[str | A.Expr] = []
+    for part in p.parts:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, A.Capture):
+            parts.append(subst.get(part.name, A.Name(id=part.name)))
+        else:
+            raise _Refuse(
+                f'"{p.text}" has an unnamed glob or alternative the output cannot restore'
+            )
+    return _template(parts)
+
+
+def _affine(e: A.Expr) -> tuple[str, A.Expr] | None:
+    """``x + k`` / ``x - k`` / ``k + x`` -> (x, the expression that undoes it)."""
+    if isinstance(e, A.BinOp) and e.op in ("+", "-"):
+        left, right = e.left, e.right
+        if isinstance(left, A.Name) and isinstance(right, A.Lit) and type(right.value) is int:
+            back = "-" if e.op == "+" else "+"
+            return left.id, A.BinOp(op=back, left=A.Name(id=left.id), right=right)
+        if (
+            e.op == "+"
+            and isinstance(right, A.Name)
+            and isinstance(left, A.Lit)
+            and type(left.value) is int
+        ):
+            return right.id, A.BinOp(op="-", left=A.Name(id=right.id), right=left)
+    return None
+
+
+def _to_pattern(t: A.Template, caps: dict[str, A.Capture]) -> tuple[A.Pattern, dict[str, A.Expr]]:
+    """The forward output template as the inverse's input pattern, and the substitutions."""
+    parts: list[A.PatPart] = []
+    subst: dict[str, A.Expr] = {}
+    seen: set[str] = set()
+    for part in t.parts:
+        if isinstance(part, str):
+            if "*" in part:
+                raise _Refuse(f'output "{t.text}" contains `*`, which a pattern reads as a glob')
+            parts.append(part)
+            continue
+        if parts and not isinstance(parts[-1], str):
+            raise _Refuse(f'output "{t.text}" has two holes side by side: ambiguous to read back')
+        if isinstance(part, A.Name) and part.id in caps:
+            name, cap = part.id, caps[part.id]
+        elif (aff := _affine(part)) is not None and aff[0] in caps and caps[aff[0]].kind == "int":
+            name, cap = aff[0], caps[aff[0]]
+            subst[name] = aff[1]
+        else:
+            raise _Refuse(f'output "{t.text}": only {{capture}} and {{capture +/- integer}} invert')
+        if name in seen:
+            raise _Refuse(f'output "{t.text}" uses {{{name}}} twice')
+        seen.add(name)
+        parts.append(cap)
+    return _pattern(parts), subst
+
+
+def _subst(e: Any, subst: dict[str, A.Expr], caps: set[str]) -> Any:
+    """Rewrite a ``where`` for the inverse: captures through ``subst``; tensor facts refused."""
+    if isinstance(e, A.Name):
+        if e.id in subst:
+            return subst[e.id]
+        if e.id in TENSOR_NAMES and e.id not in caps:
+            raise _Refuse(f"`where` reads the tensor's {e.id}, which the rule changes")
+        return e
+    if isinstance(e, A.Exists):
+        raise _Refuse("`exists` speaks of the forward input")
+    if dataclasses.is_dataclass(e) and not isinstance(e, type):
+        changes = {}
+        for f in dataclasses.fields(e):
+            v = getattr(e, f.name)
+            if isinstance(v, tuple):
+                changes[f.name] = tuple(_subst(x, subst, caps) for x in v)
+            elif dataclasses.is_dataclass(v):
+                changes[f.name] = _subst(v, subst, caps)
+        return dataclasses.replace(e, **changes)
+    return e
+
+
+def _const(e: A.Expr | None) -> Any:
+    if isinstance(e, A.Lit):
+        return e.value
+    if isinstance(e, A.Unary) and e.op == "-" and isinstance(e.operand, A.Lit):
+        return -e.operand.value  # type: ignore[operator]
+    if isinstance(e, A.ListExpr):
+        return [_const(x) for x in e.items]
+    raise _Refuse("dims must be written as constants to invert")
+
+
+def _invert_rule(r: A.Rule) -> A.Rule:
+    op, caps = r.op, {c.name: c for p in r.patterns for c in p.captures}
+    if op == "drop":
+        raise _Refuse("dropped tensors cannot be brought back")
+    rep = dataclasses.replace
+    if op == "keep":
+        return r
+    if op in ("rename", "transpose", "permute", "reshape", "cast"):
+        (p,) = r.patterns
+        if r.outputs:
+            new_p, subst = _to_pattern(r.outputs[0], caps)
+            missing = set(caps) - template_names(r.outputs[0])
+            if missing:
+                raise _Refuse(f"the output drops {{{', '.join(sorted(missing))}}}")
+            outs: tuple[A.Template, ...] = (_to_template(p, subst),)
+        else:
+            new_p, subst, outs = p, {}, ()
+        where = _subst(r.where, subst, set(caps)) if r.where is not None else None
+        new = rep(r, patterns=(new_p,), outputs=outs, where=where)
+        if op == "permute":
+            perm = _const(r.dims)
+            inv = [perm.index(i) for i in range(len(perm))]
+            return rep(new, dims=A.ListExpr(items=tuple(A.Lit(value=x) for x in inv)))
+        if op == "transpose" and r.dims is not None:
+            _const(r.dims)
+        if op == "reshape":
+            if r.from_shape is None:
+                raise _Refuse("reshape needs `from [...]` to know the shape to go back to")
+            if -1 in _const(r.to_shape) if isinstance(r.to_shape, A.ListExpr) else True:
+                raise _Refuse("reshape `to` must be a constant list without -1 to invert")
+            return rep(new, from_shape=r.to_shape, to_shape=r.from_shape)
+        if op == "cast":
+            if r.from_dtype is None:
+                raise _Refuse("cast needs `from <dtype>` to invert")
+            src, dst = resolve_dtype(r.from_dtype), resolve_dtype(r.to_dtype or "")
+            if src is None or dst is None or not lossless_cast(src, dst):
+                raise _Refuse(f"cast from {r.from_dtype} to {r.to_dtype} loses precision")
+            return rep(new, from_dtype=r.to_dtype, to_dtype=r.from_dtype)
+        return new
+    if op in ("split", "chunk"):
+        (p,) = r.patterns
+        converted = [_to_pattern(t, caps) for t in r.outputs]
+        for t in r.outputs:
+            if set(caps) - template_names(t):
+                raise _Refuse(f'output "{t.text}" drops a capture')
+        subst = converted[0][1]
+        return A.Rule(op="merge", optional=r.optional, patterns=tuple(c[0] for c in converted),
+                      outputs=(_to_template(p, subst),), dim=r.dim, sizes=r.sizes,
+                      where=_subst(r.where, subst, set(caps)) if r.where else None,
+                      loc=r.loc)  # fmt: skip
+    if op == "unstack":
+        (p,) = r.patterns
+        var = sorted(template_names(r.outputs[0]) - set(caps))[0]
+        new_p, subst = _to_pattern(r.outputs[0], {**caps, var: A.Capture(var, "int")})
+        return A.Rule(op="stack", optional=r.optional, patterns=(new_p,), over=var, dim=r.dim,
+                      outputs=(_to_template(p, subst),), loc=r.loc)  # fmt: skip
+    return _invert_group(r, caps)
+
+
+def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
+    used = template_names(r.outputs[0])
+    new_p, subst = _to_pattern(r.outputs[0], caps)
+    if r.op == "stack":
+        free = [c for c in caps.values() if c.name not in used]
+        if len(r.patterns) != 1 or len(free) != 1 or free[0].kind != "int":
+            raise _Refuse("only a stack over one {x:int} capture inverts (to unstack)")
+        var = free[0].name
+        out = _to_template(r.patterns[0], {**subst, var: A.Name(id=var)})
+        return A.Rule(op="unstack", optional=r.optional, patterns=(new_p,), dim=r.dim,
+                      outputs=(out,), loc=r.loc)  # fmt: skip
+    if r.sizes is None:
+        raise _Refuse("merge needs `sizes [...]` to know where to split again")
+    members: list[A.Pattern] = list(r.patterns)
+    if len(members) == 1:
+        (p,) = members
+        free = [c for c in p.captures if c.name not in used]
+        alts = [i for i, x in enumerate(p.parts) if isinstance(x, A.Alt)]
+        if alts and not free:
+            i = alts[0]
+            words: tuple[str, ...] = p.parts[i].alts  # type: ignore[union-attr]
+        elif len(free) == 1 and free[0].kind == "alt":
+            i, words = p.parts.index(free[0]), free[0].alts
+        else:
+            raise _Refuse("only merges whose members are listed (patterns or {a,b}) invert")
+        members = [_pattern([*p.parts[:i], w, *p.parts[i + 1 :]]) for w in words]
+    outs = tuple(_to_template(m, subst) for m in members)
+    return A.Rule(op="split", optional=r.optional, patterns=(new_p,), outputs=outs, dim=r.dim,
+                  sizes=r.sizes, loc=r.loc)  # fmt: skip
+
+
+def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stmt, ...]:
+    out: list[A.Stmt] = []
+    for st in stmts:
+        try:
+            if isinstance(st, A.Rule):
+                out.append(_invert_rule(st))
+            elif isinstance(st, (A.Param,)):
+                out.append(st)
+            elif isinstance(st, A.Unmatched):
+                if st.policy == "drop":
+                    raise _Refuse("`unmatched drop` loses tensors")
+                out.append(st)
+            elif isinstance(st, A.If):
+                cond = _subst(st.cond, {}, set())
+                then, orelse = _invert_stmts(st.then, problems), _invert_stmts(st.orelse, problems)
+                out.append(A.If(cond=cond, then=then, orelse=orelse, loc=st.loc))
+            elif isinstance(st, A.ConfigBlock):
+                fwd = [x for x in st.stmts if isinstance(x, A.CfgMove)]
+                if len(fwd) != len(st.stmts):
+                    raise _Refuse("config edits other than `move` cannot be undone")
+                moves = tuple(A.CfgMove(src=x.dst, dst=x.src, loc=x.loc) for x in reversed(fwd))
+                out.append(A.ConfigBlock(stmts=moves, loc=st.loc))
+        except _Refuse as why:
+            problems.append(f"{st.loc}: cannot invert this {_kind(st)}: {why}")
+    return tuple(out)
+
+
+def _kind(st: A.Stmt) -> str:
+    return st.op if isinstance(st, A.Rule) else type(st).__name__.lower()
+
+
+def invert_program(program: A.Program) -> A.Program:
+    """The inverse program; MappingError listing every statement that does not invert."""
+    problems: list[str] = []
+    stmts = _invert_stmts(program.stmts, problems)
+    if problems:
+        raise MappingError("mapping is not invertible:\n  " + "\n  ".join(problems))
+    return A.Program(version=program.version, stmts=stmts, file=program.file)
