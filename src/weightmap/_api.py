@@ -121,6 +121,7 @@ def _progress_fn(
         bar = tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="weightmap", leave=False
         )
+
         def update(n: int) -> None:
             bar.update(n)
 
@@ -172,6 +173,8 @@ def remap(
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
     """
+    if (preset is None) == (mapping is None):
+        _resolve(preset, mapping)  # raises the message that says which to give
     if inplace and out is not None:
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:

@@ -1,0 +1,191 @@
+"""The public API: remap and its options, compile, iter_tensors, verify."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import weightmap
+from weightmap import Checkpoint, ExecutionError, MappingError, OutputExistsError, PlanError
+
+RENAME = """weightmap 1
+rename "layers.0.{rest*}" -> "midlayer.{rest}"
+unmatched keep
+"""
+
+
+@pytest.fixture
+def ckpt(example: Path, tmp_path: Path) -> Path:
+    """A private copy of the example checkpoint (tests may modify it)."""
+    dest = tmp_path / "in"
+    shutil.copytree(example, dest)
+    return dest
+
+
+def test_public_names_are_sorted_and_exported() -> None:
+    assert weightmap.__all__ == sorted(weightmap.__all__)
+    for name in weightmap.__all__:
+        assert hasattr(weightmap, name), name
+
+
+def test_remap_with_mapping_text(ckpt: Path, tmp_path: Path) -> None:
+    result = weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, progress=False)
+    assert result.dest == tmp_path / "out"
+    assert result.paths == (tmp_path / "out" / "model.safetensors",)
+    assert result.bytes_written == result.bytes_copied == 198_656
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    ref = load_file(ckpt / "model.safetensors")
+    assert torch.equal(out["midlayer.mlp.up_proj.weight"], ref["layers.0.mlp.up_proj.weight"])
+    assert len(out) == 16 and "16 tensors" in str(result)
+
+
+def test_remap_with_mapping_file(ckpt: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.wm"
+    rules.write_text(RENAME)
+    weightmap.remap(ckpt, tmp_path / "out", mapping=rules, progress=False)
+    assert "midlayer.norm" not in load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_dry_run_writes_nothing(ckpt: Path, tmp_path: Path) -> None:
+    result = weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, dry_run=True)
+    assert result.dry_run and result.paths == ()
+    assert not (tmp_path / "out").exists()
+    assert "midlayer.self_attn.q_proj.weight" in result.plan.explain()
+
+
+def test_verify_and_checksums(ckpt: Path, tmp_path: Path) -> None:
+    result = weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, verify=True, progress=False)
+    assert result.verified and len(result.checksums) == 16
+    assert weightmap.verify(tmp_path / "out", result.plan, result.checksums) == []
+    # Corrupt one byte of one tensor: verify names it.
+    loc = Checkpoint.open(tmp_path / "out").location("norm.weight")
+    with loc.path.open("r+b") as f:
+        f.seek(loc.offset)
+        byte = f.read(1)
+        f.seek(loc.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    problems = weightmap.verify(tmp_path / "out", result.plan, result.checksums)
+    assert problems == ["'norm.weight' bytes differ from what was written"]
+
+
+def test_progress_callback_sees_every_byte(ckpt: Path, tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    weightmap.remap(
+        ckpt,
+        tmp_path / "out",
+        mapping=RENAME,
+        workers=1,
+        progress=lambda done, total: seen.append((done, total)),
+    )
+    assert seen[-1] == (198_656, 198_656)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_progress_bar_goes_to_stderr(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "weightmap" in captured.err
+
+
+def test_overwrite_and_existing_destination(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OutputExistsError, match="overwrite"):
+        weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, progress=False)
+    weightmap.remap(ckpt, tmp_path / "out", mapping=RENAME, overwrite=True, progress=False)
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_never_overwrites_the_input(ckpt: Path) -> None:
+    before = (ckpt / "model.safetensors").read_bytes()
+    with pytest.raises(OutputExistsError, match="holds the input"):
+        weightmap.remap(ckpt, ckpt, mapping=RENAME, overwrite=True, progress=False)
+    assert (ckpt / "model.safetensors").read_bytes() == before
+
+
+def test_inplace_rename(ckpt: Path) -> None:
+    result = weightmap.remap(ckpt, mapping=RENAME, inplace=True)
+    assert result.inplace and result.paths == (ckpt / "model.safetensors",)
+    names = set(load_file(ckpt / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in names and len(names) == 16
+
+
+def test_inplace_refuses_computed_outputs(ckpt: Path) -> None:
+    before = (ckpt / "model.safetensors").read_bytes()
+    cast = 'weightmap 1\ncast "{x*}" to f32 where dtype == bf16\nunmatched keep\n'
+    with pytest.raises(PlanError, match="only renames"):
+        weightmap.remap(ckpt, mapping=cast, inplace=True)
+    assert (ckpt / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({}, "give exactly one of preset"),
+        ({"preset": "x", "mapping": RENAME}, "give exactly one of preset"),
+        ({"mapping": RENAME}, "give out="),
+        ({"mapping": RENAME, "inplace": True, "out": "x"}, "do not pass out"),
+    ],
+)
+def test_argument_errors(ckpt: Path, kwargs: dict[str, object], text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        weightmap.remap(ckpt, **kwargs)  # type: ignore[arg-type]
+
+
+def test_unknown_preset_lists_presets(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(MappingError, match="no preset named 'nope'"):
+        weightmap.remap(ckpt, tmp_path / "out", preset="nope")
+
+
+def test_compile_reads_no_data_and_reports_all_problems(ckpt: Path) -> None:
+    rules = 'weightmap 1\nrename "layers.0.{rest*}" -> "midlayer.{rest}"\n'
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(ckpt, mapping=rules)
+    message = str(info.value)
+    for name in ("fc.weight", "lm_head.weight", "d2t", "t2d"):
+        assert name in message
+
+
+def test_iter_tensors_is_lazy_and_zero_copy(ckpt: Path) -> None:
+    it = weightmap.iter_tensors(ckpt, mapping=RENAME)
+    name, first = next(iter(it))
+    second_name, second = next(iter(it))
+    with Checkpoint.open(ckpt) as c:
+        src = {n.replace("layers.0.", "midlayer."): n for n in c}
+        assert torch.equal(first, c.view(src[name]))
+        # Views of one memory map, not copies: their addresses are as far apart as their
+        # bytes are in the file.
+        gap = c.location(src[second_name]).offset - c.location(src[name]).offset
+    assert second.data_ptr() - first.data_ptr() == gap
+    rest = dict(it)
+    assert len(rest) == 14
+
+
+def test_iter_tensors_computes_casts(ckpt: Path) -> None:
+    rules = 'weightmap 1\ncast "{x*}" to f32 where dtype == bf16\nunmatched keep\n'
+    out = dict(weightmap.iter_tensors(ckpt, mapping=rules))
+    ref = load_file(ckpt / "model.safetensors")
+    assert out["fc.weight"].dtype == torch.float32
+    assert torch.equal(out["fc.weight"], ref["fc.weight"].float())
+    assert out["d2t"].dtype == torch.int64
+
+
+def test_iter_tensors_reports_problems_before_yielding(ckpt: Path) -> None:
+    with pytest.raises(MappingError):
+        weightmap.iter_tensors(ckpt, mapping='weightmap 1\nkeep "fc.weight"\n')
+
+
+def test_input_changed_after_compile_is_detected(tmp_path: Path) -> None:
+    save_file({"a": torch.zeros(4)}, tmp_path / "model.safetensors")
+    plan = weightmap.compile(tmp_path, mapping='weightmap 1\nkeep "a"\n')
+    save_file({"a": torch.zeros(5)}, tmp_path / "model.safetensors")
+    from weightmap._execute import execute
+
+    with Checkpoint.open(tmp_path) as c, pytest.raises(ExecutionError, match="compile the plan"):
+        execute(plan, c, tmp_path / "out")
