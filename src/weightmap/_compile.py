@@ -75,6 +75,8 @@ class _Compiler:
         self.warnings: list[str] = []
         self._exists: dict[str, bool] = {}
         self._counts: dict[A.Loc, int] = {}
+        self.failed_require = False
+        self.filter_failed: set[int] = set()
 
     def report(self, loc: A.Loc, message: str) -> None:
         n = self._counts[loc] = self._counts.get(loc, 0) + 1
@@ -138,6 +140,7 @@ class _Compiler:
                 self.report(err.loc, err.message)
                 continue
             fire = (not ok) if isinstance(st, A.Require) else ok
+            self.failed_require |= fire and isinstance(st, A.Require)
             if not fire:
                 continue
             try:
@@ -160,7 +163,7 @@ class _Compiler:
         matcher = Matcher(alts)
         per_rule: list[list[Match]] = [[] for _ in rules]
         leftovers: list[int] = []
-        failed: set[int] = set()
+        failed = self.filter_failed
         for index, spec in enumerate(self.inputs):
             try:
                 hit = matcher.match(index, spec.name)
@@ -208,7 +211,7 @@ class _Compiler:
     def missing(self, rules: list[A.Rule], per_rule: list[list[Match]]) -> None:
         owner = {m.spec.name: rules[r].loc for r, ms in enumerate(per_rule) for m in ms}
         for r, rule in enumerate(rules):
-            if rule.optional:
+            if rule.optional or r in self.filter_failed:
                 continue
             found = {m.pattern_index for m in per_rule[r]}
             for i, p in enumerate(rule.patterns):
@@ -267,7 +270,7 @@ def compile_plan(
     flat = _Flat()
     c.flatten(mapping.program.stmts, scope, flat)
     c.checks(flat.checks, scope)
-    if c.problems:
+    if c.failed_require:
         raise CompileError(c.problems, mapping.name)
     rules = [r for r in flat.rules if c.check_rule(r)]
     per_rule, leftovers = c.route(rules, scope)
@@ -356,8 +359,11 @@ def _check_names(outputs: list[OutputTensor], c: _Compiler) -> None:
         if bad:
             c.report(o.origin, f"output name {o.name[:80]!r} {bad}")
         if o.name in seen:
+            first, here = seen[o.name].node.sources()[0].name, o.node.sources()[0].name
             c.report(
-                o.origin, f"output `{o.name}` is also produced by the rule at {seen[o.name].origin}"
+                o.origin,
+                f"output `{o.name}` (from `{here}`) is also made from `{first}`"
+                f" by the rule at {seen[o.name].origin}",
             )
         else:
             seen[o.name] = o

@@ -97,7 +97,8 @@ def build_group(
     tmpl = compile_template(rule.outputs[0])
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))
-        where = ", ".join(f"{k}={show(v)}" for k, v in caps.items()) or "the only group"
+        where = ", ".join(f"{k}={show(v)}" for k, v in caps.items())
+        where = f"group {where}" if where else "the group"
         try:
             if members.kind == "int":
                 expected = list(range(max(by_member) + 1))
@@ -107,13 +108,11 @@ def build_group(
                 expected = list(range(len(rule.patterns)))
             missing = [members.label(x) for x in expected if x not in by_member]
             if missing:
-                raise RuleProblem(f"group {where} is incomplete: missing {', '.join(missing)}")
+                raise RuleProblem(f"{where} is incomplete: missing {', '.join(missing)}")
             ordered = [by_member[x] for x in expected]
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
-            report(
-                p.loc, p.message if p.message.startswith("group") else f"group {where}: {p.message}"
-            )
+            report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
 
 
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:

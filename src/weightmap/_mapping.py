@@ -85,7 +85,7 @@ def _resolve_includes(
                 text = path.read_text(encoding="utf-8")
             except OSError as err:
                 raise MappingError(f"{st.loc}: cannot include {target!r}: {err.strerror}") from None
-            file, sub_base = str(path), path.parent
+            file, sub_base = target, path.parent  # as written: stable in messages
         else:
             key = f"preset:{target}"
             text = _preset_text(target, st.loc)
