@@ -1,0 +1,95 @@
+"""Inversion: compiling the inverse on a plan's outputs gives back the original tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightmap._dtypes import TensorSpec as T
+from weightmap._mapping import load_mapping
+from weightmap.errors import MappingError
+
+HEADERS = [
+    T("layers.0.a.weight", "BF16", (4, 4)),
+    T("layers.1.a.weight", "BF16", (4, 4)),
+    T("layers.2.a.weight", "BF16", (4, 4)),
+    T("fc.weight", "BF16", (4, 12)),
+    T("qkv.0", "F32", (16, 4)),
+    T("mlp.0.gate", "F32", (8, 4)),
+    T("mlp.0.up", "F32", (8, 4)),
+    T("e.0.0.w", "F32", (2, 3)),
+    T("e.0.1.w", "F32", (2, 3)),
+    T("u", "F32", (3, 5)),
+    T("t", "F32", (3, 5)),
+    T("c.x", "BF16", (3,)),
+    T("i.x", "I32", (3,)),
+    T("r", "F32", (2, 3, 4)),
+    T("p", "F32", (2, 3, 4)),
+    T("pair", "F16", (4, 6)),
+]
+
+FORWARD = """weightmap 1
+rename "layers.0.{rest*}" -> "midlayer.{rest}"
+rename "layers.{n:int}.{rest*}" -> "additional_layers.{n - 1}.{rest}" where n >= 1
+keep "fc.weight"
+split "qkv.{i}" dim 0 sizes [config.h * 2, config.h, config.h] -> "q.{i}", "k.{i}", "v.{i}"
+merge "mlp.{i}.{gate,up}" dim 0 sizes [8, 8] -> "mlp.{i}.gate_up"
+stack "e.{i}.{e:int}.w" over e -> "e.{i}.w"
+unstack "u" dim 0 -> "u.{k}"
+transpose "t" -> "t.T"
+cast "c.*" from bf16 to f32
+cast "i.*" from i32 to i64
+reshape "r" from [2, 3, 4] to [6, 4]
+permute "p" dims [2, 0, 1]
+chunk "pair" dim 1 -> "pair.a", "pair.b"
+config { move a -> b }
+"""
+
+
+def _key(specs: object) -> list[tuple[str, str, tuple[int, ...]]]:
+    return sorted((s.name, s.dtype, s.shape) for s in specs)  # type: ignore[attr-defined]
+
+
+def test_round_trip_reproduces_names_shapes_dtypes_and_config() -> None:
+    forward = load_mapping(FORWARD, name="fwd.wm")
+    plan = forward.compile(HEADERS, {"h": 4, "a": 1})
+    inverse = forward.inverse()
+    back = inverse.compile(plan.output_specs(), plan.config)
+    assert _key(back.output_specs()) == _key(HEADERS)
+    assert back.config == {"h": 4, "a": 1}
+
+
+def test_inverse_text_is_a_valid_program() -> None:
+    inverse = load_mapping(FORWARD).inverse()
+    again = load_mapping(inverse.text)
+    assert again.program.stmts == inverse.program.stmts
+    assert 'rename "additional_layers.{n:int}.{rest*}" -> "layers.{n + 1}.{rest}"' in inverse.text
+    assert "where n + 1 >= 1" in inverse.text
+
+
+def test_double_inverse_of_lossless_mapping() -> None:
+    text = 'weightmap 1\nrename "a.{x}" -> "b.{x}"\ntranspose "t" -> "u"\n'
+    m = load_mapping(text)
+    assert m.inverse().inverse().program.stmts == m.program.stmts
+
+
+@pytest.mark.parametrize(
+    ("rule", "reason"),
+    [
+        ('drop "a"', "dropped tensors cannot be brought back"),
+        ('cast "a" to bf16', "cast needs `from <dtype>`"),
+        ('cast "a" from f32 to bf16', "loses precision"),
+        ('cast "a" from f16 to bf16', "loses precision"),
+        ('rename "*.w" -> "x"', "unnamed glob"),
+        ('rename "a.{x}.{y}" -> "b.{x}"', "drops {y}"),
+        ('merge "m.{gate,up}" dim 0 -> "m"', "needs `sizes"),
+        ('reshape "r" to [2, -1]', "needs `from"),
+        ('rename "a" -> "b" where dtype == f32', "reads the tensor's dtype"),
+        ("unmatched drop", "loses tensors"),
+        ("config { x = 1 }", "other than `move`"),
+    ],
+)
+def test_refusals_name_the_reason(rule: str, reason: str) -> None:
+    m = load_mapping(f"weightmap 1\n{rule}\n", name="r.wm")
+    with pytest.raises(MappingError, match=r"r\.wm:2:1: cannot invert") as info:
+        m.inverse()
+    assert reason in str(info.value)

@@ -1,0 +1,47 @@
+"""Properties: generated programs compile or fail with our own errors; unparse round trips."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+
+from strategies_language import CONFIG, HEADERS, programs
+from weightmap._mapping import load_mapping
+from weightmap._parse import parse_program
+from weightmap._unparse import unparse
+from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@SETTINGS
+@given(programs())
+def test_generated_programs_compile_or_raise_our_errors(text: str) -> None:
+    try:
+        mapping = load_mapping(text)
+        mapping.compile(HEADERS, CONFIG)
+    except WeightmapError:
+        return
+
+
+@SETTINGS
+@given(programs())
+def test_unparse_round_trips(text: str) -> None:
+    try:
+        program = parse_program(text)
+    except MappingSyntaxError:
+        return
+    assert parse_program(unparse(program)) == program
+
+
+@SETTINGS
+@given(programs())
+def test_inverse_is_a_program_or_refused(text: str) -> None:
+    try:
+        mapping = load_mapping(text)
+    except WeightmapError:
+        return
+    try:
+        inverse = mapping.inverse()
+    except MappingError:
+        return
+    assert parse_program(inverse.text).stmts == inverse.program.stmts

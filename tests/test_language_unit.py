@@ -1,0 +1,142 @@
+"""Focused checks of the language: semantics the golden files do not pin down one by one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightmap import _mapping
+from weightmap._dtypes import TensorSpec as T
+from weightmap._mapping import load_mapping, load_preset, preset_names
+from weightmap._plan import Cast, Plan, Source
+from weightmap.errors import MappingError, MappingSyntaxError
+
+W = [T("a.weight", "F32", (4, 4)), T("b.weight", "F32", (4, 2))]
+
+
+def compile_text(text: str, inputs: list[T] = W, config: object = None, **params: object) -> Plan:
+    return load_mapping("weightmap 1\n" + text, name="t.wm").compile(inputs, config, params=params)  # type: ignore[arg-type]
+
+
+def test_first_matching_rule_wins_and_where_falls_through() -> None:
+    plan = compile_text(
+        'rename? "a.{x}" -> "first.{x}" where false\nrename "{y}.{x}" -> "second.{y}"\n'
+    )
+    assert [o.name for o in plan.outputs] == ["second.a", "second.b"]
+    assert plan.is_rename_only
+
+
+def test_optional_rule_may_match_nothing() -> None:
+    plan = compile_text('keep? "missing"\nkeep "**"\n')
+    assert len(plan.outputs) == 2
+
+
+def test_params_override_and_type_check() -> None:
+    text = 'param p = "x"\nrename "a.weight" -> "{p}.a"\nkeep "b.weight"\n'
+    assert compile_text(text, p="y").outputs[0].name == "y.a"
+    with pytest.raises(MappingError, match="param 'p' takes a str"):
+        compile_text(text, p=3)
+
+
+def test_param_conditional_blocks() -> None:
+    text = (
+        "param fuse = false\n"
+        'if fuse { merge "{x}.weight", "b.weight" dim 1 -> "ab" } else { keep "**" }\n'
+    )
+    assert len(compile_text(text).outputs) == 2
+
+
+def test_cast_same_dtype_is_a_no_op_and_aliases_work() -> None:
+    plan = compile_text('cast "a.weight" to float32\ncast "b.weight" to bf16\n')
+    assert isinstance(plan.output("a.weight").node, Source)
+    node = plan.output("b.weight").node
+    assert isinstance(node, Cast) and node.dtype == "BF16"
+    assert not plan.is_rename_only
+
+
+def test_narrowing_int_cast_is_marked_for_the_executor() -> None:
+    plan = compile_text('cast "i" to i32\n', [T("i", "I64", (2,))])
+    node = plan.output("i").node
+    assert isinstance(node, Cast) and node.narrowing
+
+
+def test_strict_expressions() -> None:
+    with pytest.raises(MappingError, match="not true or false"):
+        compile_text('require config.n else "x"\nkeep "**"\n', config={"n": 1})
+    with pytest.raises(MappingError, match="cannot compare"):
+        compile_text('require config.n < "a" else "x"\nkeep "**"\n', config={"n": 1})
+    plan = compile_text('require 1 != true else "x"\nkeep "**"\n', config={})
+    assert plan.outputs
+
+
+def test_warnings_go_to_the_plan_not_to_python() -> None:
+    plan = compile_text(
+        'warn if exists "a.*" "found {len(config.xs)} xs"\nkeep "**"\n', config={"xs": [1]}
+    )
+    assert plan.warnings == ("t.wm:2:1: found 1 xs",)
+
+
+def test_json_round_trip_and_explain() -> None:
+    plan = compile_text(
+        'transpose "a.weight"\ncast "b.weight" to f16 -> "b.half"\nconfig { x = 1 }\n', config={}
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    text = plan.explain()
+    assert "a.weight F32[4, 4]" in text and "permute [1, 0]" in text
+    assert "cast F32->F16" in text and "+ x = 1" in text
+    assert plan.config == {"x": 1} and plan.input_config == {}
+    c = plan.config
+    assert c is not None
+    c["y"] = 2
+    assert plan.config == {"x": 1}  # a fresh dict each time
+
+
+def test_errors_are_collected_with_locations() -> None:
+    with pytest.raises(MappingError) as info:
+        compile_text('keep "nope"\nsplit "a.weight" dim 0 sizes [1] -> "x"\nkeep "b.weight"\n')
+    problems = info.value.problems  # type: ignore[attr-defined]
+    assert [str(p.loc) for p in problems] == ["t.wm:2:6", "t.wm:3:1"]
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        "",
+        "weightmap",
+        "weightmap 1 rename",
+        'weightmap 1\nkeep "a" ->',
+        "weightmap 1\n\x00",
+        "weightmap 1 }",
+    ],
+)
+def test_syntax_errors_never_leak_lark_exceptions(junk: str) -> None:
+    with pytest.raises(MappingSyntaxError):
+        load_mapping(junk)
+
+
+def test_include_and_cycle(tmp_path: Path) -> None:
+    (tmp_path / "base.wm").write_text('weightmap 1\nparam p = 1\nkeep "**"\n')
+    (tmp_path / "top.wm").write_text('weightmap 1\ninclude "base.wm"\n')
+    m = load_mapping(tmp_path / "top.wm")
+    assert m.param_defaults == {"p": 1}
+    assert len(m.compile(W).outputs) == 2
+    (tmp_path / "loop.wm").write_text('weightmap 1\ninclude "loop.wm"\n')
+    with pytest.raises(MappingError, match="include cycle"):
+        load_mapping(tmp_path / "loop.wm")
+
+
+def test_presets_from_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tiny.wm").write_text('weightmap 1\nkeep "**"\n')
+    monkeypatch.setattr(_mapping, "data_dir", lambda folder: tmp_path)
+    assert preset_names() == ["tiny"]
+    assert load_preset("tiny").name == "tiny"
+    with pytest.raises(MappingError, match="no preset named 'nope'"):
+        load_preset("nope")
+    with pytest.raises(MappingError, match="bad preset name"):
+        load_preset("../x")
+
+
+def test_output_names_from_captures_cannot_escape_validation() -> None:
+    with pytest.raises(MappingError, match="is empty"):
+        compile_text('rename "{x}.weight" -> "{x}" where x == "zz"\nrename "{x}.weight" -> ""\n')
