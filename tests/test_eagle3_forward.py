@@ -21,6 +21,8 @@ from typing import NamedTuple, Protocol
 import pytest
 import torch
 
+import weightmap
+
 from eagle3 import convert_stub
 from eagle3.checkpoints import DraftSpec, write_checkpoint
 from eagle3.sglang_mirror import MirrorLoadError, load_converted, sglang_capture
@@ -54,9 +56,8 @@ def tolerance(dtype: torch.dtype, reference: torch.Tensor) -> float:
 
 
 def convert_checkpoint(src: Path, dst: Path) -> None:
-    """The conversion under test (one line to change when the preset lands):
-    ``weightmap.remap(src, dst, preset="eagle3-sglang")``."""
-    convert_stub.convert(src, dst)
+    """The conversion under test: the shipped preset, through the public API."""
+    weightmap.remap(src, dst, preset="eagle3-sglang", progress=False)
 
 
 class DraftModel(Protocol):

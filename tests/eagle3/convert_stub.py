@@ -1,9 +1,9 @@
-"""TEMPORARY speculators -> SGLang converter, used by the forward test until the
-``eagle3-sglang`` preset exists; the test then swaps ``convert`` for
-``weightmap.remap(src, dst, preset="eagle3-sglang")`` in its ``convert_checkpoint`` fixture.
+"""A deliberately naive speculators -> SGLang converter: rename-only, refusing nothing.
 
-It is deliberately rename-only: it refuses nothing (the refusal-necessity test relies on
-that). Tensors: ``layers.0.`` -> ``midlayer.``, ``verifier_*`` dropped, everything else kept.
+The forward test converts with the real ``eagle3-sglang`` preset; this stub shows what a
+one-off script does, so the test can prove that the preset's refusals are necessary (a
+norm_before_residual drafter converted this way loads and computes something else).
+Tensors: ``layers.0.`` -> ``midlayer.``, ``verifier_*`` dropped, everything else kept.
 Config: the flat Llama-style config of the facts sheet, section 2.
 """
 
