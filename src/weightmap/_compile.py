@@ -10,6 +10,7 @@ way and raised together as one :class:`CompileError`.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import re
 from collections.abc import Sequence
@@ -259,6 +260,23 @@ def compile_plan(
     >>> compile_plan(m, [TensorSpec("a.w", "F32", (2,))], None).outputs[0].name
     'b.w'
     """
+    # Building ~100k small acyclic objects triggers repeated full cyclic-GC passes that cost
+    # a third of the compile time; nothing here makes cycles, so pause the collector.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _compile(mapping, inputs, config, params)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _compile(
+    mapping: Mapping,
+    inputs: Sequence[TensorSpec],
+    config: dict[str, Any] | None,
+    params: dict[str, Any] | None,
+) -> Plan:
     c = _Compiler(mapping, inputs, config)
     seen: set[str] = set()
     for spec in c.inputs:
@@ -282,7 +300,10 @@ def compile_plan(
     for rule, matches in zip(rules, per_rule, strict=True):
 
         def emit(name: str, node: Node, rule: A.Rule = rule) -> None:
-            order = min(position[s.name] for s in node.sources())
+            if isinstance(node, Source):
+                order = position[node.name]
+            else:
+                order = min(position[s.name] for s in node.sources())
             outputs.append((order, OutputTensor(name=name, node=node, origin=rule.loc)))
 
         def report(loc: A.Loc | None, message: str, rule: A.Rule = rule) -> None:

@@ -368,10 +368,42 @@ def compile_template(t: A.Template) -> Callable[[Scope], str]:
     for part in t.parts:
         if isinstance(part, str):
             fns.append(lambda s, p=part: p)  # type: ignore[misc]
+        elif isinstance(part, A.Name):
+            fns.append(_capture_first(part.id, compile_expr(part)))
         else:
             fns.append(compile_expr(part))
 
     def run(s: Scope) -> str:
         return "".join(v if isinstance(v := f(s), str) else show(v) for f in fns)
 
-    return run
+    names = [p.id for p in t.parts if isinstance(p, A.Name)]
+    if len(names) != sum(not isinstance(p, str) for p in t.parts):
+        return run
+    # Every hole is a bare name: one str.format call when they are all string/int captures.
+    fmt = "".join(
+        p.replace("{", "{{").replace("}", "}}") if isinstance(p, str) else "{}" for p in t.parts
+    )
+
+    def fast(s: Scope) -> str:
+        caps = s.captures
+        if s.local:
+            return run(s)
+        try:
+            values = [caps[n] for n in names]
+        except KeyError:
+            return run(s)
+        # Captures are only ever str (segments, alternatives) or int ({n:int}, unstack index),
+        # and both print the same through format() as through show().
+        return fmt.format(*values)
+
+    return fast
+
+
+def _capture_first(name: str, slow: Fn) -> Fn:
+    # Output names are rendered once per tensor; a bare {capture} is by far the common hole.
+    def get(s: Scope) -> Any:
+        if not s.local and name in s.captures:
+            return s.captures[name]
+        return slow(s)
+
+    return get

@@ -83,10 +83,6 @@ def check_cast(src: str, dst: str) -> str | None:
     )
 
 
-def _namer(rule: A.Rule, i: int = 0) -> Callable[[Scope], str]:
-    return compile_template(rule.outputs[i]) if len(rule.outputs) > i else (lambda s: s.tensor.name)  # type: ignore[union-attr]
-
-
 def build_simple(
     rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node], None]
 ) -> Dropped | None:
@@ -133,12 +129,12 @@ def build_simple(
             node = Slice(
                 dtype=spec.dtype, shape=shape, src=src, dim=d, start=start, stop=start + size
             )
-            emit(compile_template(rule.outputs[i])(s), node)
+            emit(namer(rule.outputs[i])(s), node)
             start += size
     elif op == "unstack":
         d = norm_dim(as_int(evaluate(rule.dim, s), "dim") if rule.dim else 0, rank, name)
         var = unstack_var(rule, set(m.caps), set(scope.params))
-        tmpl = compile_template(rule.outputs[0])
+        tmpl = namer(rule.outputs[0])
         shape = spec.shape[:d] + spec.shape[d + 1 :]
         for i in range(spec.shape[d]):
             piece_shape = (*spec.shape[:d], 1, *spec.shape[d + 1 :])
@@ -148,11 +144,22 @@ def build_simple(
     return None
 
 
+_TEMPLATES: dict[int, tuple[A.Template, Callable[[Scope], str]]] = {}
+
+
+def namer(t: A.Template) -> Callable[[Scope], str]:
+    """The compiled renderer of a template, compiled once (keyed by identity, kept alive)."""
+    hit = _TEMPLATES.get(id(t))
+    if hit is None or hit[0] is not t:
+        hit = _TEMPLATES[id(t)] = (t, compile_template(t))
+    return hit[1]
+
+
 def _name(rule: A.Rule, s: Scope) -> str:
     if not rule.outputs:
         assert s.tensor is not None
         return s.tensor.name
-    return compile_template(rule.outputs[0])(s)
+    return namer(rule.outputs[0])(s)
 
 
 def _permute(

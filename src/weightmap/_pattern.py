@@ -74,6 +74,7 @@ class Matcher:
         self.alternatives = list(alternatives)
         sources, self._groups, self._singles = [], [], []
         self._outer: dict[int, int] = {}
+        self._fast: list[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = []
         group_count = 0
         for k, alt in enumerate(self.alternatives):
             body, caps = pattern_regex(alt.pattern, prefix=f"_{k}_")
@@ -81,6 +82,10 @@ class Matcher:
             self._outer[group_count + 1] = k
             group_count += 1 + len(caps)
             self._groups.append([(name, f"_{k}_{name}", kind == "int") for name, kind in caps])
+            # Group numbers for one m.group(*numbers) call: the hot path of routing.
+            numbers = tuple(range(group_count - len(caps) + 1, group_count + 1))
+            ints = tuple(i for i, (_n, kind) in enumerate(caps) if kind == "int")
+            self._fast.append((tuple(n for n, _k in caps), numbers, ints))
             self._singles.append(re.compile(pattern_regex(alt.pattern)[0], re.DOTALL))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
 
@@ -93,7 +98,17 @@ class Matcher:
         if m is None:
             return None
         k = self._outer[m.lastindex or 0]
-        caps = {n: int(m.group(g)) if is_int else m.group(g) for n, g, is_int in self._groups[k]}
+        names, numbers, ints = self._fast[k]
+        if not names:
+            caps: dict[str, Any] = {}
+        elif len(numbers) == 1:
+            value = m.group(numbers[0])
+            caps = {names[0]: int(value) if ints else value}
+        else:
+            values = list(m.group(*numbers))
+            for i in ints:
+                values[i] = int(values[i])
+            caps = dict(zip(names, values, strict=True))
         accept = self.alternatives[k].accept
         if accept is None or accept(index, caps):
             return k, caps

@@ -1,0 +1,118 @@
+"""Compile speed: a plan for a 100,000-tensor MoE-like checkpoint must take under a second.
+
+Run ``python bench/bench_compile.py`` (add ``--write`` to record the figure in
+docs/benchmarks.md under "## Compile speed"). Only headers are involved: no tensor data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import time
+from pathlib import Path
+
+from weightmap._dtypes import TensorSpec
+from weightmap._mapping import load_mapping
+
+LAYERS, EXPERTS = 64, 512
+MAPPING = """weightmap 1
+# A fused-expert MoE export: stack per-expert weights, split fused qkv, rename the rest.
+stack "model.layers.{i:int}.mlp.experts.{e:int}.{w:gate_proj,up_proj,down_proj}.weight" over e
+    -> "model.layers.{i}.mlp.experts.{w}"
+split "model.layers.{i:int}.self_attn.qkv_proj.weight" dim 0
+    sizes [config.num_attention_heads * config.head_dim,
+           config.num_key_value_heads * config.head_dim,
+           config.num_key_value_heads * config.head_dim]
+    -> "layers.{i}.attn.q.weight", "layers.{i}.attn.k.weight", "layers.{i}.attn.v.weight"
+rename "model.layers.{i:int}.{rest*}" -> "layers.{i}.{rest}"
+cast "model.norm.weight" from bf16 to f32
+keep "model.embed_tokens.weight", "lm_head.weight"
+"""
+RENAME_ALL = """weightmap 1
+# Every tensor renamed: the worst case for per-output work (one output per input).
+rename "model.layers.{i:int}.{rest*}" -> "layers.{i}.{rest}"
+keep "**"
+"""
+CONFIG = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def headers() -> list[TensorSpec]:
+    """About 100,000 tensors: 64 layers x 512 experts x 3 projections, plus the rest."""
+    out = [TensorSpec("model.embed_tokens.weight", "BF16", (151936, 4096))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        out.append(TensorSpec(f"{p}.self_attn.qkv_proj.weight", "BF16", (6144, 4096)))
+        out.append(TensorSpec(f"{p}.self_attn.o_proj.weight", "BF16", (4096, 4096)))
+        out.append(TensorSpec(f"{p}.input_layernorm.weight", "BF16", (4096,)))
+        out.append(TensorSpec(f"{p}.post_attention_layernorm.weight", "BF16", (4096,)))
+        out.append(TensorSpec(f"{p}.mlp.gate.weight", "BF16", (EXPERTS, 4096)))
+        for e in range(EXPERTS):
+            for w, shape in (("gate_proj", (1536, 4096)), ("up_proj", (1536, 4096)),
+                             ("down_proj", (4096, 1536))):  # fmt: skip
+                out.append(TensorSpec(f"{p}.mlp.experts.{e}.{w}.weight", "BF16", shape))
+    out += [
+        TensorSpec("model.norm.weight", "BF16", (4096,)),
+        TensorSpec("lm_head.weight", "BF16", (151936, 4096)),
+    ]
+    return out
+
+
+def measure(text: str, specs: list[TensorSpec], repeat: int = 5) -> tuple[int, int, float]:
+    """(inputs, outputs, best seconds) over ``repeat`` compiles."""
+    mapping = load_mapping(text, name="bench.wm")
+    best, n_out = float("inf"), 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        plan = mapping.compile(specs, CONFIG)
+        best = min(best, time.perf_counter() - t0)
+        n_out = len(plan.outputs)
+    return len(specs), n_out, best
+
+
+def write_section(text: str) -> None:
+    """Replace (or append) the "## Compile speed" section of docs/benchmarks.md only."""
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    section = f"## Compile speed\n\n{text}\n"
+    pattern = re.compile(r"## Compile speed\n.*?(?=\n## |\Z)", re.S)
+    if pattern.search(doc):
+        doc = pattern.sub(lambda m: section.rstrip("\n"), doc, count=1)
+        doc = doc if doc.endswith("\n") else doc + "\n"
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + section
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--write", action="store_true", help="record the figure in docs/benchmarks.md")
+    args = ap.parse_args()
+    specs = headers()
+    lines, worst = [], 0.0
+    for label, text in (
+        ("MoE (stack, split, rename)", MAPPING),
+        ("rename every tensor", RENAME_ALL),
+    ):
+        n_in, n_out, secs = measure(text, specs)
+        worst = max(worst, secs)
+        lines.append(
+            f"{label}: {n_in} input tensors -> {n_out} outputs in {secs * 1000:.0f} ms (best of 5)"
+        )
+        print(lines[-1])
+    if args.write:
+        write_section(
+            "`python bench/bench_compile.py`: compiling a plan for a MoE-like header set\n"
+            f"({LAYERS} layers x {EXPERTS} experts x 3 projections, stacked per layer; fused qkv\n"
+            "split; everything else renamed). Target: under 1 s.\n\n"
+            + "".join(f"- {x}\n" for x in lines)
+            + f"- machine: {platform.machine()}, Python {platform.python_version()}"
+        )
+    if worst >= 1.0:
+        raise SystemExit(f"too slow: {worst:.2f} s (target < 1 s)")
+
+
+if __name__ == "__main__":
+    main()
