@@ -21,6 +21,7 @@ from typing import Any
 
 from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, Checkpoint
 from weightmap._plan import Plan, Source
+from weightmap._writer import TMP_MARKER
 from weightmap.errors import ExecutionError, PlanError
 
 __all__ = ["inplace_headers", "recover", "rewrite_inplace"]
@@ -35,7 +36,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _replace_small(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.weightmap-tmp")
+    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-inplace")
     with tmp.open("wb") as f:
         f.write(data)
         f.flush()

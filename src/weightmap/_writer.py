@@ -36,6 +36,8 @@ __all__ = [
     "build_header",
     "parse_size",
     "plan_shards",
+    "remove_path",
+    "stale_temporaries",
 ]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -155,6 +157,45 @@ def plan_shards(
     return plans
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
+    """Temporary outputs in ``folder`` left by runs that no longer exist.
+
+    A name carries its writer's pid (``.<dest>.weightmap-tmp-<pid>-<token>``): one whose
+    process is alive belongs to a running conversion and is never listed. Leftovers of an
+    overwrite's swap (``-old-``) and of small-file replacements are always stale.
+    """
+    prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
+    found = []
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        name = entry.name
+        if not name.startswith(prefix) or TMP_MARKER.rstrip("-") not in name:
+            continue
+        tail = name.split(TMP_MARKER, 1)[1] if TMP_MARKER in name else ""
+        pid_text = tail.split("-", 1)[0]
+        if pid_text.isdigit() and _pid_alive(int(pid_text)):
+            continue
+        found.append(entry)
+    return sorted(found)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, link or folder tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 # -- atomic rename -----------------------------------------------------------------------------
 
 _RENAME_NOREPLACE = 1
@@ -264,6 +305,10 @@ class CheckpointWriter:
 
     def open(self) -> None:
         """Create the temporary folder and every shard with its header, sized in full."""
+        # What a killed earlier run into the same destination left behind goes first.
+        for stale in stale_temporaries(self.dest.parent, self.dest.name):
+            with contextlib.suppress(OSError):
+                remove_path(stale)
         token = secrets.token_hex(4)
         self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{os.getpid()}-{token}"
         try:
@@ -437,12 +482,12 @@ class CheckpointWriter:
                 raise FileExistsError(errno.EEXIST, "exists", str(dest))
             elif _renameat2(tmp, dest, _RENAME_EXCHANGE):
                 # The old destination now sits at the temporary name; remove it.
-                shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
+                remove_path(tmp)
             else:
                 old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
                 os.rename(dest, old)
                 os.rename(tmp, dest)
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+                remove_path(old)
         except FileExistsError:
             raise OutputExistsError(
                 f"{dest} appeared while this conversion ran (another run into the same "

@@ -1,7 +1,8 @@
 """The ``weightmap`` command line: a thin layer over the library.
 
 Known errors become one line on stderr and an exit code (2 for usage and mapping errors, 1 for
-data problems); ``--debug`` or ``WEIGHTMAP_DEBUG=1`` shows the traceback instead.
+data problems such as malformed files or a diff that finds differences); ``--debug`` or
+``WEIGHTMAP_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,11 +12,25 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from weightmap._checkpoint import Checkpoint
+from weightmap import _ast as A
+from weightmap._api import compile as compile_plan_for
+from weightmap._api import load_mapping, remap
+from weightmap._checkpoint import JOURNAL_NAME, Checkpoint
+from weightmap._diff import diff_checkpoints
+from weightmap._inplace import recover
+from weightmap._mapping import Mapping, load_preset, preset_names
+from weightmap._plan import Plan
+from weightmap._writer import remove_path, stale_temporaries
 from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
 
 __all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given (exit code 2)."""
 
 
 def _human(n: int) -> str:
@@ -25,6 +40,89 @@ def _human(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def _params(items: Sequence[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON, else a string."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def _mapping_of(args: argparse.Namespace) -> Mapping:
+    if (args.preset is None) == (args.mapping is None):
+        raise UsageError("give exactly one of --preset NAME or --mapping FILE")
+    if args.preset is not None:
+        return load_preset(args.preset)
+    path = Path(args.mapping)
+    if not path.is_file():
+        raise UsageError(f"mapping file {args.mapping} does not exist")
+    return load_mapping(path)
+
+
+def _summary(plan: Plan) -> str:
+    total = sum(s.nbytes for s in plan.output_specs())
+    return (
+        f"plan: {len(plan.inputs)} input tensors -> {len(plan.outputs)} outputs"
+        f" ({len(plan.dropped)} dropped), {total:,} bytes ({_human(total)})"
+        + ("; config.json edited" if plan.config_changed else "")
+    )
+
+
+def _warn(plan: Plan) -> None:
+    for w in plan.warnings:
+        print(f"weightmap: warning: {w}", file=sys.stderr)
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    rules = _mapping_of(args)
+    if args.inplace and args.dst is not None:
+        raise UsageError("--inplace rewrites SRC itself; give no DST")
+    if not (args.inplace or args.dry_run) and args.dst is None:
+        raise UsageError("give DST (the output folder), or --inplace / --dry-run")
+    quiet = args.quiet
+    progress: bool | None = False if (args.no_progress or quiet) else None
+    result = remap(
+        args.src,
+        args.dst,
+        mapping=rules,
+        params=_params(args.set),
+        max_shard_size=args.max_shard_size,
+        dry_run=args.dry_run,
+        inplace=args.inplace,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        progress=progress,
+        workers=args.workers,
+    )
+    _warn(result.plan)
+    if not quiet:
+        print(_summary(result.plan))
+        if args.dry_run:
+            print(result.plan.explain())
+        print(result)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    plan = compile_plan_for(args.src, mapping=_mapping_of(args), params=_params(args.set))
+    if args.json:
+        print(plan.to_json(indent=2))
+        return 0
+    _warn(plan)
+    print(_summary(plan))
+    print(plan.explain())
+    return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -61,6 +159,123 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    with Checkpoint.open(args.a) as a, Checkpoint.open(args.b) as b:
+        d = diff_checkpoints(a, b)
+    for name in d.only_a:
+        print(f"only in A: {name}")
+    for name in d.only_b:
+        print(f"only in B: {name}")
+    for name, x, y in d.changed:
+        print(f"changed:   {name}: {x} -> {y}")
+    for name in d.bytes_differ:
+        print(f"bytes differ: {name}")
+    for line in d.config:
+        print(f"config {line}")
+    differing = len(d.only_a) + len(d.only_b) + len(d.changed) + len(d.bytes_differ)
+    print(
+        f"{d.equal} tensors identical, {differing} differ"
+        + (f", {len(d.config)} config difference(s)" if d.config else "")
+    )
+    return 0 if d.same else 1
+
+
+def _description(text: str) -> str:
+    for line in text.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            return stripped.lstrip("# ").strip()
+        if stripped:
+            break
+    return ""
+
+
+def _requires(stmts: Sequence[A.Stmt]) -> list[str]:
+    out: list[str] = []
+    for st in stmts:
+        if isinstance(st, A.Require):
+            out.append(st.message.text.replace("{{", "{").replace("}}", "}"))
+        elif isinstance(st, A.If):
+            out += _requires(st.then) + _requires(st.orelse)
+    return out
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    if args.name is None:
+        names = preset_names()
+        width = max([len(n) for n in names] + [4])
+        for name in names:
+            print(f"{name:<{width}}  {_description(load_preset(name).text)}")
+        return 0
+    preset = load_preset(args.name)
+    print(preset.text.rstrip())
+    print()
+    print("parameters:")
+    for key, value in preset.param_defaults.items():
+        print(f"  {key} = {json.dumps(value)}")
+    if not preset.param_defaults:
+        print("  (none)")
+    print("refuses:")
+    for message in _requires(preset.program.stmts):
+        print(f"  - {message}")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    rules = load_mapping(Path(args.mapping)) if Path(args.mapping).is_file() else None
+    if rules is None:
+        raise UsageError(f"mapping file {args.mapping} does not exist")
+    if args.checkpoint is None:
+        print(f"{args.mapping}: parses; give a checkpoint to check it against one")
+        return 0
+    plan = compile_plan_for(args.checkpoint, mapping=rules, params=_params(args.set))
+    _warn(plan)
+    print(f"{args.mapping}: ok against {args.checkpoint}: {_summary(plan)}")
+    return 0
+
+
+def _cmd_invert(args: argparse.Namespace) -> int:
+    path = Path(args.mapping)
+    rules = load_preset(args.mapping) if not path.is_file() and "/" not in args.mapping else None
+    if rules is None:
+        if not path.is_file():
+            raise UsageError(f"mapping file {args.mapping} does not exist")
+        rules = load_mapping(path)
+    print(rules.inverse().text.rstrip())
+    return 0
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    folder = Path(args.path)
+    if not folder.is_dir():
+        raise UsageError(f"{folder} is not a folder")
+    actions = 0
+    if (folder / JOURNAL_NAME).exists() and recover(folder):
+        print(f"finished an interrupted in-place rewrite of {folder}")
+        actions += 1
+    for stale in stale_temporaries(folder):
+        remove_path(stale)
+        print(f"removed {stale}")
+        actions += 1
+    if not actions:
+        print(f"nothing to clean in {folder}")
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+
+def _mapping_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", metavar="NAME", help="a preset (see `weightmap presets`)")
+    p.add_argument("--mapping", metavar="FILE", help="a mapping file")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
@@ -70,10 +285,54 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    p = sub.add_parser("convert", help="convert a checkpoint with a preset or a mapping")
+    p.add_argument("src", help="checkpoint folder or .safetensors file")
+    p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
+    _mapping_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--inplace", action="store_true", help="rename in place (header rewrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--verify", action="store_true", help="re-read and check the output")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    p.add_argument("--workers", type=int, default=None, help="writer threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("plan", help="show what a conversion would do, writing nothing")
+    p.add_argument("src")
+    _mapping_args(p)
+    p.add_argument("--json", action="store_true", help="the plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+
     p = sub.add_parser("inspect", help="list a checkpoint's tensors")
     p.add_argument("checkpoint", help="a checkpoint folder or a .safetensors file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=_cmd_diff)
+
+    p = sub.add_parser("presets", help="list presets, or show one")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(func=_cmd_presets)
+
+    p = sub.add_parser("check", help="parse a mapping, and compile it against a checkpoint")
+    p.add_argument("mapping")
+    p.add_argument("checkpoint", nargs="?")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("invert", help="print the inverse of a mapping (file or preset)")
+    p.add_argument("mapping")
+    p.set_defaults(func=_cmd_invert)
+
+    p = sub.add_parser("clean", help="remove what killed runs left in a folder")
+    p.add_argument("path")
+    p.set_defaults(func=_cmd_clean)
     return parser
 
 
@@ -85,16 +344,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
         return code
-    except (MappingSyntaxError, MappingError) as exc:
+    except (UsageError, MappingSyntaxError, MappingError) as exc:
         if debug:
             raise
+        # Mapping errors span several lines (one per problem, with carets): keep them whole.
         print(f"weightmap: error: {exc}", file=sys.stderr)
         return 2
-    except WeightmapError as exc:
+    except (WeightmapError, OSError) as exc:
         if debug:
             raise
         print(f"weightmap: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:
+        # Argument values the library refuses (a size like "5XB", a negative worker count).
+        if debug:
+            raise
+        print(f"weightmap: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("weightmap: interrupted; nothing was committed", file=sys.stderr)
         return 130

@@ -1,0 +1,273 @@
+"""The command line, through the installed console script (and `python -m`) in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXE = shutil.which("weightmap")
+
+
+def run(*args: str, module: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "weightmap"] if module or EXE is None else [EXE]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_lists_16_tensors(example: Path) -> None:
+    r = run("inspect", str(example))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["name", "dtype", "shape", "bytes", "file"]
+    assert len(lines) == 18
+    row = next(line for line in lines if line.startswith("layers.0.self_attn.q_proj.weight "))
+    assert row.split() == [
+        "layers.0.self_attn.q_proj.weight",
+        "BF16",
+        "[64,",
+        "128]",
+        "16,384",
+        "model.safetensors",
+    ]
+    assert lines[-1] == "16 tensors, 198,656 bytes (198.7 KB) in 1 file(s)"
+
+
+def test_inspect_json_via_module(example: Path) -> None:
+    r = run("inspect", "--json", str(example), module=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["total_tensors"] == 16
+    assert {
+        "name": "d2t",
+        "dtype": "I64",
+        "shape": [128],
+        "bytes": 1024,
+        "file": "model.safetensors",
+    } in doc["tensors"]
+    assert doc["config"]["speculators_model_type"] == "eagle3"
+
+
+def test_inspect_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\x10\0\0\0\0\0\0\0{}")
+    r = run("inspect", str(tmp_path))
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1
+    assert r.stderr.startswith("weightmap: error: ") and "header-beyond-file" in r.stderr
+
+
+@pytest.mark.parametrize("env_debug", [False, True])
+def test_debug_shows_traceback(tmp_path: Path, env_debug: bool) -> None:
+    args = ("inspect", str(tmp_path / "missing"))
+    if env_debug:
+        cmd = [sys.executable, "-m", "weightmap", *args]
+        r = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**__import__("os").environ, "WEIGHTMAP_DEBUG": "1"},
+        )
+    else:
+        r = run("--debug", *args)
+    assert r.returncode != 0
+    assert "Traceback" in r.stderr
+
+
+def test_usage_error_exit_code() -> None:
+    r = run("frobnicate")
+    assert r.returncode == 2
+
+
+def test_convert_example(example: Path, tmp_path: Path) -> None:
+    r = run("convert", str(example), str(tmp_path / "out"), "--preset", "eagle3-sglang", "--verify")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == (
+        "plan: 16 input tensors -> 16 outputs (0 dropped), 198,656 bytes (198.7 KB); "
+        "config.json edited"
+    )
+    assert lines[-1].startswith(f"16 tensors, 198,656 bytes into {tmp_path / 'out'} in ")
+    assert lines[-1].endswith("(verified)")
+    assert (tmp_path / "out" / "config.json").exists()
+
+
+def test_convert_with_mapping_file_set_and_shards(example: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.wm"
+    rules.write_text(
+        'weightmap 1\nparam target = "bf16"\n'
+        'cast "{x*}.weight" to f32 -> "{x}.weight" where dtype == bf16\nunmatched keep\n'
+    )
+    r = run(
+        "convert",
+        str(example),
+        str(tmp_path / "out"),
+        "--mapping",
+        str(rules),
+        "--max-shard-size",
+        "100KB",
+        "--workers",
+        "1",
+        "--quiet",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_convert_dry_run_writes_nothing(example: Path, tmp_path: Path) -> None:
+    r = run(
+        "convert", str(example), str(tmp_path / "out"), "--preset", "eagle3-sglang", "--dry-run"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "midlayer.mlp.up_proj.weight" in r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_inplace(example: Path, tmp_path: Path) -> None:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(example, ckpt)
+    r = run("convert", str(ckpt), "--preset", "eagle3-sglang", "--inplace", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "midlayer.norm" not in run("inspect", str(ckpt)).stdout
+    assert "midlayer.self_attn.q_proj.weight" in run("inspect", str(ckpt)).stdout
+
+
+def test_convert_refusal_is_exit_2_and_names_the_problem(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from eagle3.checkpoints import DraftSpec, write_checkpoint
+
+    src = write_checkpoint(replace(DraftSpec(), norm_before_residual=True), tmp_path / "in")
+    r = run("convert", str(src), str(tmp_path / "out"), "--preset", "eagle3-sglang")
+    assert r.returncode == 2
+    assert "norm_before_residual=true" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_set_parameter(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from eagle3.checkpoints import DraftSpec, write_checkpoint
+
+    src = write_checkpoint(replace(DraftSpec(), num_layers=2), tmp_path / "in")
+    r = run("convert", str(src), str(tmp_path / "out"), "--preset", "eagle3-sglang")
+    assert r.returncode == 2 and "--set layout=layers" in r.stderr
+    r = run(
+        "convert",
+        str(src),
+        str(tmp_path / "out"),
+        "--preset",
+        "eagle3-sglang",
+        "--set",
+        "layout=layers",
+        "--quiet",
+    )
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (["--preset", "eagle3-sglang", "--mapping", "x.wm"], "exactly one of --preset"),
+        ([], "exactly one of --preset"),
+        (["--preset", "nope"], "no preset named 'nope'"),
+        (["--mapping", "missing.wm"], "does not exist"),
+        (["--preset", "eagle3-sglang", "--set", "layout"], "KEY=VALUE"),
+        (["--preset", "eagle3-sglang", "--max-shard-size", "5XB"], "cannot parse size"),
+    ],
+)
+def test_convert_usage_errors(example: Path, tmp_path: Path, args: list[str], text: str) -> None:
+    r = run("convert", str(example), str(tmp_path / "out"), *args)
+    assert r.returncode == 2, r.stderr
+    assert text in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_existing_destination_is_exit_1(example: Path, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    r = run("convert", str(example), str(tmp_path / "out"), "--preset", "eagle3-sglang")
+    assert r.returncode == 1
+    assert "--overwrite" in r.stderr or "overwrite=True" in r.stderr
+
+
+def test_plan_table_and_json(example: Path) -> None:
+    r = run("plan", str(example), "--preset", "eagle3-sglang")
+    assert r.returncode == 0, r.stderr
+    assert "layers.0.self_attn.q_proj.weight" in r.stdout and "midlayer." in r.stdout
+    r = run("plan", str(example), "--preset", "eagle3-sglang", "--json")
+    doc = json.loads(r.stdout)
+    assert len(doc["outputs"]) == 16
+    assert doc["config"]["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_diff(example: Path, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(example, tmp_path / "a")
+    r = run("diff", str(example), str(tmp_path / "a"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "16 tensors identical, 0 differ"
+    loc_file = tmp_path / "a" / "model.safetensors"
+    data = bytearray(loc_file.read_bytes())
+    data[-1] ^= 1  # the last byte belongs to the last tensor in the file
+    loc_file.write_bytes(bytes(data))
+    r = run("diff", str(example), str(tmp_path / "a"))
+    assert r.returncode == 1
+    assert "bytes differ: t2d" in r.stdout
+
+
+def test_presets_list_and_show() -> None:
+    r = run("presets")
+    assert r.returncode == 0
+    assert r.stdout.startswith("eagle3-sglang  ")
+    r = run("presets", "eagle3-sglang")
+    assert 'layout = "midlayer"' in r.stdout
+    assert "- norm_before_residual=true" in r.stdout
+
+
+def test_check(example: Path, tmp_path: Path) -> None:
+    good = tmp_path / "good.wm"
+    good.write_text('weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\nunmatched keep\n')
+    assert run("check", str(good)).returncode == 0
+    r = run("check", str(good), str(example))
+    assert r.returncode == 0 and "ok against" in r.stdout
+    bad = tmp_path / "bad.wm"
+    bad.write_text('weightmap 1\nrename "a" => "b"\n')
+    r = run("check", str(bad))
+    assert r.returncode == 2
+    assert f"{bad}:2:" in r.stderr and "^" in r.stderr
+    partial = tmp_path / "partial.wm"
+    partial.write_text('weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\n')
+    r = run("check", str(partial), str(example))
+    assert r.returncode == 2 and "fc.weight" in r.stderr
+
+
+def test_invert(tmp_path: Path) -> None:
+    m = tmp_path / "m.wm"
+    m.write_text('weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\n')
+    r = run("invert", str(m))
+    assert r.returncode == 0, r.stderr
+    assert 'rename "midlayer.{r*}" -> "layers.0.{r}"' in r.stdout
+    lossy = tmp_path / "lossy.wm"
+    lossy.write_text('weightmap 1\ndrop "x"\n')
+    r = run("invert", str(lossy))
+    assert r.returncode == 2 and "drop" in r.stderr
+
+
+def test_clean_removes_leftovers_of_dead_runs(tmp_path: Path) -> None:
+    dead = tmp_path / ".out.weightmap-tmp-999999999-abcd"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"partial")
+    alive = tmp_path / f".out.weightmap-tmp-{__import__('os').getpid()}-abcd"
+    alive.mkdir()
+    r = run("clean", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert not dead.exists() and alive.exists()
+    assert run("clean", str(tmp_path)).stdout.startswith("nothing to clean")
