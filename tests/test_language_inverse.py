@@ -93,3 +93,9 @@ def test_refusals_name_the_reason(rule: str, reason: str) -> None:
     with pytest.raises(MappingError, match=r"r\.wm:2:1: cannot invert") as info:
         m.inverse()
     assert reason in str(info.value)
+
+
+def test_unstack_without_index_name_is_refused_not_crashed() -> None:
+    # Found by the grammar-generated property test.
+    with pytest.raises(MappingError, match="exactly one index name"):
+        load_mapping('weightmap 1\nunstack "a.weight" -> "a.weight"\n').inverse()

@@ -200,7 +200,10 @@ def _invert_rule(r: A.Rule) -> A.Rule:
                       loc=r.loc)  # fmt: skip
     if op == "unstack":
         (p,) = r.patterns
-        var = sorted(template_names(r.outputs[0]) - set(caps))[0]
+        free = sorted(template_names(r.outputs[0]) - set(caps))
+        if len(free) != 1:
+            raise _Refuse("the unstack output needs exactly one index name, e.g. {e}")
+        var = free[0]
         new_p, subst = _to_pattern(r.outputs[0], {**caps, var: A.Capture(var, "int")})
         return A.Rule(op="stack", optional=r.optional, patterns=(new_p,), over=var, dim=r.dim,
                       outputs=(_to_template(p, subst),), loc=r.loc)  # fmt: skip
