@@ -16,6 +16,7 @@ from weightmap import _ast as A
 from weightmap._dtypes import TensorSpec
 from weightmap._expr import TENSOR_NAMES, EvalError, Scope, compile_expr, resolve_dtype
 from weightmap._parse import parse_program
+from weightmap._plan import Plan
 from weightmap._resources import data_dir
 from weightmap.errors import MappingError
 
@@ -48,7 +49,7 @@ class Mapping:
         config: dict[str, Any] | None = None,
         *,
         params: dict[str, Any] | None = None,
-    ) -> Any:
+    ) -> Plan:
         """Compile against headers and config: ``compile_plan(self, ...)``."""
         from weightmap._compile import compile_plan
 
