@@ -20,6 +20,7 @@ __all__ = [
     "CfgIf",
     "CfgLift",
     "CfgMove",
+    "CfgNest",
     "CfgSet",
     "CfgStmt",
     "Comp",
@@ -358,6 +359,15 @@ class CfgLift:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CfgNest:
+    """``nest obj [except a, b]``: move the fields beside ``obj`` into it (the inverse of lift)."""
+
+    path: tuple[str, ...]
+    keep: tuple[str, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CfgIf:
     """``if cond { ... } else { ... }`` inside a config block."""
 
@@ -367,7 +377,7 @@ class CfgIf:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
-CfgStmt = Union[CfgSet, CfgDelete, CfgMove, CfgLift, CfgIf]  # noqa: UP007
+CfgStmt = Union[CfgSet, CfgDelete, CfgMove, CfgLift, CfgNest, CfgIf]  # noqa: UP007
 
 
 @dataclass(frozen=True, kw_only=True)

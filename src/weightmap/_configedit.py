@@ -88,6 +88,8 @@ def _run(stmts: tuple[A.CfgStmt, ...], cfg: dict[str, Any], scope: Scope, report
                     )
         elif isinstance(st, A.CfgMove):
             _move(st, cfg, report)
+        elif isinstance(st, A.CfgNest):
+            _nest(st, cfg, report)
         else:
             _lift(st, cfg, report)
 
@@ -104,6 +106,22 @@ def _move(st: A.CfgMove, cfg: dict[str, Any], report: Report) -> None:
         report(st.loc, f"cannot move to `{_dotted(st.dst)}`: it exists (delete it first)")
     else:
         dst_parent[st.dst[-1]] = src_parent.pop(st.src[-1])
+
+
+def _nest(st: A.CfgNest, cfg: dict[str, Any], report: Report) -> None:
+    parent = _parent(cfg, st.path, create=False)
+    name = _dotted(st.path)
+    if isinstance(parent, str):
+        report(st.loc, f"cannot nest into `{name}`: {parent}")
+        return
+    if st.path[-1] in parent:
+        report(st.loc, f"cannot nest into `{name}`: it exists (delete or lift it first)")
+        return
+    keep = set(st.keep)
+    inner = {k: v for k, v in parent.items() if k not in keep}
+    for k in inner:
+        del parent[k]
+    parent[st.path[-1]] = inner
 
 
 def _lift(st: A.CfgLift, cfg: dict[str, Any], report: Report) -> None:

@@ -51,7 +51,7 @@ STATEMENT_KEYWORDS = [
     "config",
     "if",
 ]
-CONFIG_KEYWORDS = ("delete", "move", "lift", "if")
+CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -128,6 +128,9 @@ def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
         close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.6)
         if close:
             return f"did you mean `{close[0]}`?"
+    recent = text[:pos].rsplit("\n", 3)[-3:]
+    if "LBRACE" in expected and any(re.search(r"\bdelete\b.*\bif\b", x) for x in recent):
+        return "a conditional delete is written `delete PATH when CONDITION`"
     if "RBRACE" in expected and not word:
         return "a `{` block is not closed"
     # A misspelt keyword is often taken for a name, so the error comes one word later.
@@ -418,6 +421,9 @@ class _Builder:
             return A.CfgMove(src=self.path(c[0]), dst=self.path(c[1]), loc=loc)
         if kind == "cfg_lift":
             return A.CfgLift(path=self.path(c[0]), overwrite=len(c) > 1, loc=loc)
+        if kind == "cfg_nest":
+            keep = tuple(self.string(x) if x.type == "STRING" else str(x) for x in c[1:])
+            return A.CfgNest(path=self.path(c[0]), keep=keep, loc=loc)
         if kind == "cfg_if":
             body = [x for x in c[1:] if isinstance(x, Tree)]
             then = [x for x in body if x.data not in ("cfg_else", "cfg_else_if")]

@@ -13,7 +13,7 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WORDS = (
     "weightmap param include unmatched require else warn if rename keep drop split chunk merge "
     "stack unstack transpose permute reshape cast dim dims sizes over to from where config "
-    "delete move lift overwrite and or not in for exists true false null error"
+    "delete when move lift nest except overwrite and or not in for exists true false null error"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
@@ -142,13 +142,16 @@ def _cfg(st: A.CfgStmt, ind: str) -> list[str]:
     if isinstance(st, A.CfgSet):
         return [f"{ind}{_path(st.path)} = {unparse_expr(st.value)}"]
     if isinstance(st, A.CfgDelete):
-        cond = f" if {unparse_expr(st.cond)}" if st.cond is not None else ""
+        cond = f" when {unparse_expr(st.cond)}" if st.cond is not None else ""
         paths = ", ".join(_path(p) for p in st.paths)
         return [f"{ind}delete{'?' if st.optional else ''} {paths}{cond}"]
     if isinstance(st, A.CfgMove):
         return [f"{ind}move {_path(st.src)} -> {_path(st.dst)}"]
     if isinstance(st, A.CfgLift):
         return [f"{ind}lift {_path(st.path)}{' overwrite' if st.overwrite else ''}"]
+    if isinstance(st, A.CfgNest):
+        keep = f" except {', '.join(_path((k,)) for k in st.keep)}" if st.keep else ""
+        return [f"{ind}nest {_path(st.path)}{keep}"]
     lines = [f"{ind}if {unparse_expr(st.cond)} {{"]
     for x in st.then:
         lines += _cfg(x, ind + "    ")
