@@ -312,3 +312,130 @@ def test_warnings(tmp_path: Path, edit: dict[str, Any], warning: str) -> None:
     _edit_config(src, edit)
     plan = weightmap.compile(src, preset="eagle3-sglang")
     assert any(w.endswith(warning) for w in plan.warnings), plan.warnings
+
+
+# -- the reverse: eagle3-speculators ----------------------------------------------------------
+
+VERIFIER = {"verifier": "example-org/tiny-llama-verifier"}
+
+
+def test_round_trip_is_byte_identical(example: Path, tmp_path: Path) -> None:
+    weightmap.remap(example, tmp_path / "sglang", preset="eagle3-sglang", progress=False)
+    weightmap.remap(
+        tmp_path / "sglang",
+        tmp_path / "back",
+        preset="eagle3-speculators",
+        params=VERIFIER,
+        progress=False,
+    )
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
+        example / "model.safetensors"
+    ).read_bytes()
+    original = json.loads((example / "config.json").read_text())
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    # auto_map points at a config.py that speculators saves beside its weights; a converted
+    # folder has none, so the reverse does not claim one.
+    del original["auto_map"]
+    assert back == original
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        replace(BASE, rope_style="rope_theta"),
+        replace(
+            BASE,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        replace(BASE, target_hidden_size=48, draft_vocab_size=BASE.vocab_size),
+        replace(BASE, with_embed_tokens=False, dtype=torch.bfloat16),
+    ],
+    ids=["transformers4-rope", "llama3-scaling", "target-hidden", "no-embed-bf16"],
+)
+def test_round_trip_is_equivalent(tmp_path: Path, spec: DraftSpec) -> None:
+    """speculators -> SGLang -> speculators gives the same tensors and a config that converts
+    to the same SGLang config (rope fields may change style, transformers 4 -> 5)."""
+    src = write_checkpoint(spec, tmp_path / "in")
+    weightmap.remap(src, tmp_path / "sglang", preset="eagle3-sglang", progress=False)
+    weightmap.remap(
+        tmp_path / "sglang",
+        tmp_path / "back",
+        preset="eagle3-speculators",
+        params=VERIFIER,
+        progress=False,
+    )
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    again = weightmap.compile(tmp_path / "back", preset="eagle3-sglang").config
+    assert again == json.loads((tmp_path / "sglang" / "config.json").read_text())
+
+
+def _sglang_copy(example: Path, tmp_path: Path, edit: dict[str, Any] | None = None) -> Path:
+    dst = tmp_path / "sglang"
+    weightmap.remap(example, dst, preset="eagle3-sglang", progress=False)
+    if edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        for key, value in edit.items():
+            if value is None:
+                cfg.pop(key, None)
+            else:
+                cfg[key] = value
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edit", "params", "message"),
+    [
+        (
+            None,
+            {},
+            "the flat config does not name the verifier (the target model): pass "
+            'verifier=ORG/NAME (params={"verifier": ...} or --set verifier=ORG/NAME)',
+        ),
+        (
+            {"architectures": ["LlamaForCausalLM"]},
+            VERIFIER,
+            "not an SGLang EAGLE-3 drafter: config.json architectures should hold "
+            '"LlamaForCausalLMEagle3"',
+        ),
+        (
+            {"speculators_model_type": "eagle3"},
+            VERIFIER,
+            "config.json is already a speculators config (speculators_model_type is set); "
+            "eagle3-sglang converts the other way",
+        ),
+        (
+            {"eagle_config": None},
+            VERIFIER,
+            "config.json has no eagle_config.eagle_aux_hidden_state_layer_ids, so the aux layers "
+            "the drafter was trained on are unknown: pass aux_layer_ids=[...] (speculators' ids)",
+        ),
+    ],
+    ids=["no-verifier", "not-eagle3", "already-speculators", "no-aux-ids"],
+)
+def test_reverse_refusals(
+    example: Path, tmp_path: Path, edit: dict[str, Any] | None, params: dict[str, Any], message: str
+) -> None:
+    src = _sglang_copy(example, tmp_path, edit)
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, preset="eagle3-speculators", params=params)
+    assert f"requirement failed: {message}" in [
+        p.message
+        for p in info.value.problems  # type: ignore[attr-defined]
+    ]
+
+
+def test_reverse_with_explicit_aux_ids(example: Path, tmp_path: Path) -> None:
+    src = _sglang_copy(example, tmp_path, {"eagle_config": None})
+    plan = weightmap.compile(
+        src, preset="eagle3-speculators", params={**VERIFIER, "aux_layer_ids": [2, 4, 6]}
+    )
+    assert plan.config is not None
+    assert plan.config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]

@@ -274,8 +274,8 @@ class CheckpointWriter:
             raise OutputExistsError(
                 f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
             )
-        if not self.dest.parent.is_dir():
-            raise ExecutionError(f"{self.dest.parent}: the destination's parent folder is missing")
+        if self.dest.parent.exists() and not self.dest.parent.is_dir():
+            raise ExecutionError(f"{self.dest.parent}: the destination's parent is not a folder")
         self.overwrite = overwrite
         self.config = None if config is None else dict(config)
         self.shards = plan_shards(specs, max_shard_size, metadata)
@@ -305,6 +305,10 @@ class CheckpointWriter:
 
     def open(self) -> None:
         """Create the temporary folder and every shard with its header, sized in full."""
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ExecutionError(f"{self.dest.parent}: cannot create the folder ({exc})") from exc
         # What a killed earlier run into the same destination left behind goes first.
         for stale in stale_temporaries(self.dest.parent, self.dest.name):
             with contextlib.suppress(OSError):
