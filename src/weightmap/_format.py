@@ -18,7 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec, numel
+from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.errors import FormatError
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
@@ -152,6 +152,29 @@ def _int_list(value: object) -> list[int] | None:
     return value
 
 
+def _bounded_numel(shape: list[int]) -> int:
+    """numel, but stopping once past U64_MAX: a product of a long list of huge dimensions
+    costs quadratic time (a 2 MB header of them took seconds, a 100 MB one hours)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > U64_MAX:
+            break
+    return n
+
+
+def _utf8(text: str) -> bool:
+    # json decodes a lone surrogate escape ("\ud800") to a str that cannot be written back
+    # as UTF-8; the reference implementation (Rust strings) refuses such headers.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_header(
     raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
 ) -> Header:
@@ -170,8 +193,12 @@ def parse_header(
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 raise _fail(path, "metadata", "__metadata__ must map strings to strings only")
+            if not all(_utf8(k) and _utf8(v) for k, v in entry.items()):
+                raise _fail(path, "header-utf8", "__metadata__ holds a lone surrogate escape")
             metadata = entry
             continue
+        if not _utf8(name):
+            raise _fail(path, "header-utf8", "name holds a lone surrogate escape", name)
         if not isinstance(entry, dict):
             raise _fail(path, "tensor-entry", "entry is not an object", name)
         keys = set(entry)
@@ -214,7 +241,7 @@ def parse_header(
             )
         if begin > U64_MAX or end > U64_MAX:
             raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
-        count = numel(tuple(shape))
+        count = _bounded_numel(shape)
         bits = count * DTYPES[dtype_name].bits
         if count > U64_MAX or bits > U64_MAX:
             raise _fail(
