@@ -27,7 +27,18 @@ from typing import TYPE_CHECKING
 
 from weightmap._checkpoint import Checkpoint
 from weightmap._dtypes import DTYPES, numel
-from weightmap._plan import Cast, Concat, Node, Permute, Plan, Reshape, Slice, Source, Stack
+from weightmap._plan import (
+    Cast,
+    Concat,
+    Node,
+    Permute,
+    Plan,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+    int_cast_fits,
+)
 from weightmap._reference import OPAQUE_DTYPES, cast, evaluate, tensor_bytes
 from weightmap._writer import CheckpointWriter
 from weightmap.errors import ExecutionError, FormatError
@@ -41,6 +52,7 @@ __all__ = [
     "Segment",
     "byte_segments",
     "check_inputs",
+    "check_unchanged",
     "default_workers",
     "execute",
 ]
@@ -265,11 +277,22 @@ def check_inputs(plan: Plan, ckpt: Checkpoint) -> None:
             f"{ckpt.root}: the checkpoint differs from the one the plan was compiled for "
             f"(first: {changed[0]!r}); compile the plan again"
         )
+    check_unchanged(ckpt)
+
+
+def check_unchanged(ckpt: Checkpoint) -> None:
+    """Refuse if any file's size or modification time differs from when its header was read."""
     for path, header in ckpt.headers.items():
-        st = path.stat()
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise FormatError(
+                "file disappeared while the conversion ran", path=path, rule="changed"
+            ) from None
         if st.st_size != header.file_size or st.st_mtime_ns != header.mtime_ns:
             raise FormatError(
-                "file changed since its header was read; run the conversion again",
+                "file changed while the conversion ran (or since its header was read); nothing "
+                "was written: run the conversion again",
                 path=path,
                 rule="changed",
             )
@@ -292,6 +315,9 @@ class _Runner:
         self.stats = ExecutionStats(checksums={} if checksum else None)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        # One output buffer per thread, reused chunk after chunk: a fresh allocation per chunk
+        # costs a page fault per page (and its zeroing) every time.
+        self._scratch = threading.local()
 
     def fd(self, path: Path) -> int:
         with self._lock:
@@ -366,19 +392,66 @@ class _Runner:
         for start in range(0, max(extent, 1), step):
             stop = min(extent, start + step)
             if node.shape:
-                part = _region(node, dim, start, stop, self.ckpt.view, name)
+                data = self._chunk(node, dim, start, stop, name)
             else:
-                part = evaluate(node, self.ckpt.view, name)
-            data = tensor_bytes(part)
-            del part
-            if data:
+                data = memoryview(tensor_bytes(evaluate(node, self.ckpt.view, name)))
+            if data.nbytes:
                 self.writer.write(name, data, offset)
                 if self.checksum:
                     crc = zlib.crc32(data, crc)
-            offset += len(data)
-            self._report(len(data), copied=False)
+            offset += data.nbytes
+            self._report(data.nbytes, copied=False)
+            del data
         if self.stats.checksums is not None:
             self.stats.checksums[name] = crc
+
+    def _chunk(self, node: Node, dim: int, start: int, stop: int, name: str) -> memoryview:
+        """The bytes of ``node`` over ``[start, stop)`` along ``dim``, without a copy to bytes.
+
+        A cast at the top (the common whole-checkpoint cast) converts straight from the
+        memory-mapped input into the thread's buffer: ``copy_`` is what ``Tensor.to`` does
+        after allocating. Integer casts that may lose values keep the checked path.
+        """
+        if (
+            isinstance(node, Cast)
+            and node.src.dtype != node.dtype
+            and int_cast_fits(node.src.dtype, node.dtype)
+        ):
+            src = _region(node.src, dim, start, stop, self.ckpt.view, name)
+            out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
+            out.copy_(src)
+            return _memory(out)
+        part = _region(node, dim, start, stop, self.ckpt.view, name)
+        if part.is_contiguous():
+            return _memory(part)
+        out = self._buffer(part.dtype, tuple(part.shape))
+        out.copy_(part)
+        return _memory(out)
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """This thread's scratch buffer, grown as needed, viewed as ``dtype[shape]``."""
+        import torch
+
+        nbytes = numel(shape) * dtype.itemsize
+        buf: torch.Tensor | None = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = None  # let the old buffer go before allocating the larger one
+            self._scratch.buf = None
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._scratch.buf = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of a contiguous tensor, as a view (the bytes ``tensor_bytes`` gives)."""
+    import torch
+
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().data
 
 
 def execute(
@@ -426,6 +499,9 @@ def execute(
                     futures = [pool.submit(runner.run, o.name, o.node) for o in jobs]
                     for f in futures:
                         f.result()
+            # An input rewritten under us may have fed some tensors old bytes and some new:
+            # only an input unchanged from start to end gives an output worth committing.
+            check_unchanged(ckpt)
     except OSError as exc:
         if isinstance(exc, ExecutionError):
             raise
