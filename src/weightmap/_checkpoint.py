@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from weightmap._dtypes import DTYPES, TensorSpec
-from weightmap._format import Header, TensorInfo, read_header
+from weightmap._format import Header, TensorInfo, _depth, read_header
 from weightmap.errors import CheckpointError, FormatError
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ CONFIG_NAME = "config.json"
 JOURNAL_NAME = ".weightmap-inplace-journal.json"
 # Index and config files are small; a huge one is hostile, and json would hold it all.
 _MAX_JSON_SIZE = 256 * 1024 * 1024
+_MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,40 @@ def _read_json(path: Path, what: str) -> Any:
                 rule="json-too-large",
             )
         text = path.read_bytes().decode("utf-8")
-        return json.loads(text)
+        value = json.loads(text)
     except UnicodeDecodeError:
         raise CheckpointError(f"{what} is not UTF-8", path=path, rule="json") from None
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule="json") from None
+    # json accepts nesting up to the recursion limit, deeper than later stages (copying,
+    # compiling) can walk; real configs nest a few levels.
+    if _depth(value, _MAX_JSON_DEPTH) > _MAX_JSON_DEPTH:
+        raise CheckpointError(
+            f"{what} nests deeper than {_MAX_JSON_DEPTH} levels", path=path, rule="json"
+        )
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate escape ("\ud800") decodes to a string no UTF-8 file can hold.
+        raise CheckpointError(
+            f"{what} holds a lone surrogate escape, which is not UTF-8", path=path, rule="json"
+        ) from None
+    return value
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # ENAMETOOLONG and friends: not a shard we can read
+        return False
 
 
 def _shard_path(root: Path, name: object, index_path: Path) -> Path:
@@ -79,6 +109,7 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
         or name in (".", "..")
         or "\x00" in name
         or Path(name).is_absolute()
+        or not _encodable(name)
     ):
         raise CheckpointError(
             f"weight_map names shard {name!r}; shards must be plain file names in the "
@@ -89,7 +120,14 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
     path = root / name
     # A symlink may point anywhere; follow it only if it stays in the folder, or, in a hub
     # cache's `snapshots/<revision>/` folder, into that repository's `blobs/` folder.
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+    except OSError as err:  # e.g. a name longer than the file system allows
+        raise CheckpointError(
+            f"weight_map names shard {name[:80]!r}: {err.strerror}",
+            path=index_path,
+            rule="shard-name",
+        ) from None
     real_root = root.resolve()
     in_cache = real_root.parent.name == "snapshots" and resolved.parent == (
         real_root.parent.parent / "blobs"
@@ -183,9 +221,10 @@ class Checkpoint:
         weight_map: dict[str, Any] = index["weight_map"]
         shard_names: dict[str, Path] = {}
         for shard in weight_map.values():
-            if shard not in shard_names:
+            # _shard_path refuses a non-string first: a list or object is not hashable.
+            if not isinstance(shard, str) or shard not in shard_names:
                 shard_names[shard] = _shard_path(root, shard, index_path)
-        missing = [name for name, p in shard_names.items() if not p.is_file()]
+        missing = [name for name, p in shard_names.items() if not _is_file(p)]
         if missing:
             raise CheckpointError(
                 f"index names shard(s) that do not exist: {', '.join(sorted(missing))}",
