@@ -397,6 +397,14 @@ def _bad_name(name: str) -> str | None:
         return "is reserved by safetensors"
     if _CONTROL.search(name):
         return "contains control characters"
+    # Names are module paths to every loader (`model.layers.0.w`): whitespace, path
+    # separators and empty segments never name a parameter, and look like path tricks.
+    if any(ch.isspace() for ch in name):
+        return "contains whitespace"
+    if "/" in name or "\\" in name:
+        return "contains a path separator; tensor names are dotted module paths"
+    if name.startswith(".") or name.endswith(".") or ".." in name:
+        return "has an empty dotted segment"
     if len(name) > MAX_NAME_CHARS:
         return f"is longer than {MAX_NAME_CHARS} characters"
     return None
