@@ -1,4 +1,5 @@
-"""Every ```bash and ```python block in the README and docs/ runs, in order, per file.
+"""Every ```bash and ```python block in the README and docs/ runs, in order, per file, and
+every ```weightmap block parses (a whole program, or a fragment under `weightmap 1`).
 
 Blocks tagged ``console`` or ``text`` are shown, not run (installation commands, output).
 In README commands joined by ``&&``, the environment and install steps are skipped: CI runs
@@ -15,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from weightmap._parse import parse_program
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(bash|python)\n(.*?)^```", re.M | re.S)
+MAPPING_BLOCK = re.compile(r"^```weightmap\n(.*?)^```", re.M | re.S)
 SKIP = ("python3 -m venv", ". .venv/bin/activate", "pip install", "python -m pytest")
 
 
@@ -44,3 +48,13 @@ def test_doc_examples_run(doc: Path, tmp_path: Path) -> None:
             cmd = [sys.executable, "-c", code]
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{doc.name} block {i + 1} ({lang}) failed:\n{code}\n{r.stderr}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_doc_mappings_parse(doc: Path) -> None:
+    blocks = MAPPING_BLOCK.findall(doc.read_text(encoding="utf-8"))
+    if not blocks:
+        pytest.skip(f"{doc.name} has no mapping examples")
+    for code in blocks:
+        text = code if code.startswith("weightmap 1") else "weightmap 1\n" + code
+        parse_program(text, f"{doc.name} example")
