@@ -29,6 +29,12 @@ CHECK = textwrap.dedent(
         assert names, f"{folder} is empty"
         text = read_text(folder, names[0])
         print(folder, names[0], len(text))
+
+    # A preset from the installed wheel, compiled against the example checkpoint.
+    import weightmap
+    plan = weightmap.compile(sys.argv[1], preset="eagle3-sglang")
+    assert len(plan.outputs) == 16, plan.explain()
+    print("preset ok")
     """
 )
 
@@ -82,8 +88,13 @@ def test_wheel_installs_and_loads_package_data(tmp_path: Path) -> None:
         timeout=300,
     )
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    example = REPO / "examples" / "eagle3-speculators"
     r = subprocess.run(
-        [str(py), "-c", CHECK], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        [str(py), "-c", CHECK, str(example)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    assert "grammars" in r.stdout and "mappings" in r.stdout
+    assert "grammars" in r.stdout and "mappings" in r.stdout and "preset ok" in r.stdout
