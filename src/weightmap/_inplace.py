@@ -21,18 +21,10 @@ from typing import Any
 
 from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, Checkpoint
 from weightmap._plan import Plan, Source
-from weightmap._writer import TMP_MARKER
+from weightmap._writer import TMP_MARKER, fsync_dir
 from weightmap.errors import ExecutionError, PlanError
 
 __all__ = ["inplace_headers", "recover", "rewrite_inplace"]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_small(path: Path, data: bytes) -> None:
@@ -112,7 +104,7 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
         if path.stat().st_size != header.file_size:
             raise ExecutionError(f"{path}: file changed since its header was read")
     _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
-    _fsync_dir(root)
+    fsync_dir(root)
     _replay(root, journal)
     return list(headers)
 
@@ -133,7 +125,7 @@ def _replay(root: Path, journal: dict[str, Any]) -> None:
     if journal["config"] is not None:
         _replace_small(root / CONFIG_NAME, journal["config"].encode("utf-8"))
     (root / JOURNAL_NAME).unlink()
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def recover(root: str | os.PathLike[str]) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointWriter",
     "ShardPlan",
     "build_header",
+    "fsync_dir",
     "parse_size",
     "plan_shards",
     "remove_path",
@@ -221,7 +222,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename or a new file in it survives a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -464,7 +466,7 @@ class CheckpointWriter:
                 self._write_small(CONFIG_NAME, text.encode("utf-8"))
             for name, blob in self._files.items():
                 self._write_small(name, blob)
-            _fsync_dir(self.tmp)
+            fsync_dir(self.tmp)
             self._move_into_place(self.tmp)
         except BaseException:
             self.abort()
@@ -503,4 +505,4 @@ class CheckpointWriter:
                     f"{dest} appeared while this conversion ran; it was left as it is"
                 ) from None
             raise
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
