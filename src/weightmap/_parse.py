@@ -29,6 +29,10 @@ from weightmap.errors import MappingSyntaxError
 __all__ = ["LANGUAGE_VERSION", "parse_pattern", "parse_program", "parse_template", "syntax_error"]
 
 LANGUAGE_VERSION = 1
+# Hostile-input bounds: far beyond real mappings (a u64 has 20 digits; real expressions nest
+# a few levels), well inside Python's int-parsing and recursion limits.
+MAX_INT_DIGITS = 100
+MAX_EXPR_DEPTH = 100
 
 STATEMENT_KEYWORDS = [
     "rename",
@@ -286,6 +290,7 @@ class _Builder:
 
     def __init__(self, text: str, file: str, origin: A.Loc | None = None) -> None:
         self.text, self.file, self.origin = text, file, origin
+        self.depth = 0
 
     def loc(self, node: Tree[Any] | Token, fallback: A.Loc | None = None) -> A.Loc:
         if self.origin is not None:
@@ -316,12 +321,30 @@ class _Builder:
 
     # -- expressions
     def expr(self, t: Tree[Any] | Token, fallback: A.Loc | None = None) -> A.Expr:
+        # Building, compiling and evaluating an expression all recurse over its tree; a
+        # hostile `1+1+...+1` or `[[[...]]]` would exhaust the Python stack.
+        self.depth += 1
+        try:
+            if self.depth > MAX_EXPR_DEPTH:
+                syntax_error(
+                    self.text,
+                    self.loc(t, fallback),
+                    f"expression nests deeper than {MAX_EXPR_DEPTH} levels",
+                    "split it into params",
+                )
+            return self._expr(t, fallback)
+        finally:
+            self.depth -= 1
+
+    def _expr(self, t: Tree[Any] | Token, fallback: A.Loc | None = None) -> A.Expr:
         loc = self.loc(t, fallback)
         if isinstance(t, Token):  # pragma: no cover - every expression token sits in a tree
             raise TypeError(t)
         c: list[Any] = list(t.children)
         kind = t.data
         if kind == "int":
+            if len(c[0]) > MAX_INT_DIGITS:
+                syntax_error(self.text, loc, f"integer literal has over {MAX_INT_DIGITS} digits")
             return A.Lit(value=int(c[0]), loc=loc)
         if kind == "float":
             return A.Lit(value=float(c[0]), loc=loc)
@@ -504,12 +527,14 @@ def parse_program(text: str, file: str = "<string>") -> A.Program:
         syntax_error(text, A.Loc(file, 1, 1), f"cannot parse: {exc}")
     b = _Builder(text, file)
     header: Any = tree.children[0]
-    version = int(header.children[0])
+    digits = str(header.children[0])
+    # int() refuses over 4300 digits (ValueError); no version needs more than a few.
+    version = int(digits) if len(digits) <= MAX_INT_DIGITS else LANGUAGE_VERSION + 1
     if version != LANGUAGE_VERSION:
         syntax_error(
             text,
             b.loc(header),
-            f"unsupported language version {version}",
+            f"unsupported language version {digits if len(digits) <= 20 else digits[:20] + '...'}",
             f"this weightmap reads `weightmap {LANGUAGE_VERSION}`",
         )
     return A.Program(version=version, stmts=b.stmts(tree.children[1:]), file=file)
