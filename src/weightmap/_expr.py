@@ -46,6 +46,13 @@ DTYPE_ALIASES: dict[str, str] = {
 
 TENSOR_NAMES = ("name", "dtype", "shape")
 
+# Hostile-input bounds (a mapping is a program from a stranger): `[0] * 10**12`, strings or
+# ints squared param by param, or nested comprehensions would otherwise take unbounded memory
+# and time. One evaluation (a param default, a condition, one tensor's where/template) may
+# build at most WORK_LIMIT list items and characters; ints stay within MAX_INT_BITS.
+WORK_LIMIT = 1_000_000
+MAX_INT_BITS = 256
+
 
 def resolve_dtype(word: str) -> str | None:
     """The safetensors dtype named by ``word`` (``"bf16"`` -> ``"BF16"``), or None."""
@@ -74,10 +81,20 @@ class Scope:
     tensor: TensorSpec | None = None
     exists: Callable[[A.Pattern], bool] | None = None
     local: dict[str, Any] = field(default_factory=dict)
+    # Work left for this evaluation (shared by comprehension scopes; see WORK_LIMIT).
+    budget: list[int] = field(default_factory=lambda: [WORK_LIMIT])
 
     def with_tensor(self, tensor: TensorSpec, captures: dict[str, Any]) -> Scope:
         """A scope for one matched tensor (cheap: shares params and config)."""
         return Scope(self.params, self.config, captures, tensor, self.exists, self.local)
+
+    def charge(self, work: int, loc: A.Loc) -> None:
+        """Spend ``work`` list items or characters; EvalError once WORK_LIMIT is spent."""
+        self.budget[0] -= work
+        if self.budget[0] < 0:
+            raise EvalError(
+                f"expression builds more than {WORK_LIMIT} list items or characters", loc
+            )
 
 
 Fn = Callable[[Scope], Any]
@@ -148,22 +165,40 @@ def describe(e: A.Expr) -> str:
     return "value"
 
 
-def _arith(op: str, a: Any, b: Any, loc: A.Loc) -> Any:
-    if op == "+" and isinstance(a, str) and isinstance(b, str):
-        return a + b
-    if op == "+" and isinstance(a, list) and isinstance(b, list):
+def _arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
+    if op == "+" and (
+        (isinstance(a, str) and isinstance(b, str)) or (isinstance(a, list) and isinstance(b, list))
+    ):
+        if s is not None:
+            s.charge(len(a) + len(b), loc)
         return a + b
     if op == "*" and isinstance(a, list) and isinstance(b, int) and not isinstance(b, bool):
+        if s is not None:
+            s.charge(len(a) * max(b, 0), loc)
         return a * b
     if not (_is_num(a) and _is_num(b)):
         raise EvalError(f"cannot apply {op} to {show(a)} and {show(b)}", loc)
     if op in ("//", "%") and b == 0:
         raise EvalError(f"division by zero in {show(a)} {op} 0", loc)
-    return (
-        {"+": a + b, "-": a - b, "*": a * b}[op]
-        if op in "+-*"
-        else (a // b if op == "//" else a % b)
-    )
+    # Check before multiplying: squaring a huge int param after param takes minutes.
+    if (
+        op == "*"
+        and isinstance(a, int)
+        and isinstance(b, int)
+        and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+    ):
+        raise EvalError(f"integer {op} result exceeds {MAX_INT_BITS} bits", loc)
+    try:
+        result = (
+            {"+": a + b, "-": a - b, "*": a * b}[op]
+            if op in "+-*"
+            else (a // b if op == "//" else a % b)
+        )
+    except OverflowError:  # a huge int meeting a float
+        raise EvalError(f"{op} overflows on {show(a)} and {show(b)}", loc) from None
+    if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
+        raise EvalError(f"integer {op} result exceeds {MAX_INT_BITS} bits", loc)
+    return result
 
 
 def _compare(op: str, a: Any, b: Any, loc: A.Loc) -> bool:
@@ -252,10 +287,20 @@ def compile_expr(e: A.Expr) -> Fn:
         return _binop(e)
     if isinstance(e, A.ListExpr):
         items = [compile_expr(x) for x in e.items]
-        return lambda s: [f(s) for f in items]
+
+        def make_list(s: Scope) -> list[Any]:
+            s.charge(len(items), loc)
+            return [f(s) for f in items]
+
+        return make_list
     if isinstance(e, A.DictExpr):
         pairs = [(k, compile_expr(x)) for k, x in e.items]
-        return lambda s: {k: f(s) for k, f in pairs}
+
+        def make_dict(s: Scope) -> dict[str, Any]:
+            s.charge(len(pairs), loc)
+            return {k: f(s) for k, f in pairs}
+
+        return make_dict
     if isinstance(e, A.Comp):
         return _comprehension(e)
     if isinstance(e, A.Call):
@@ -285,7 +330,7 @@ def _binop(e: A.BinOp) -> Fn:
         return lambda s: _contains(left(s), right(s), loc)
     if op == "not in":
         return lambda s: not _contains(left(s), right(s), loc)
-    return lambda s: _arith(op, left(s), right(s), loc)
+    return lambda s: _arith(op, left(s), right(s), loc, s)
 
 
 def _comprehension(e: A.Comp) -> Fn:
@@ -297,9 +342,11 @@ def _comprehension(e: A.Comp) -> Fn:
         seq = it(s)
         if not isinstance(seq, list):
             raise EvalError(f"`for {var} in` needs a list, got {show(seq)}", loc)
+        s.charge(len(seq), loc)
         out = []
         for x in seq:
-            inner = Scope(s.params, s.config, s.captures, s.tensor, s.exists, {**s.local, var: x})
+            local = {**s.local, var: x}
+            inner = Scope(s.params, s.config, s.captures, s.tensor, s.exists, local, s.budget)
             if cond is None or truth(cond(inner), loc):
                 out.append(elt(inner))
         return out

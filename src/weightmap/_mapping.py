@@ -14,7 +14,14 @@ from typing import Any
 
 from weightmap import _ast as A
 from weightmap._dtypes import TensorSpec
-from weightmap._expr import TENSOR_NAMES, EvalError, Scope, compile_expr, resolve_dtype
+from weightmap._expr import (
+    TENSOR_NAMES,
+    WORK_LIMIT,
+    EvalError,
+    Scope,
+    compile_expr,
+    resolve_dtype,
+)
 from weightmap._parse import parse_program
 from weightmap._plan import Plan
 from weightmap._resources import data_dir
@@ -102,6 +109,9 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
     values: dict[str, Any] = {}
     locs: dict[str, A.Loc] = {}
     problems = []
+    # One work budget for all defaults: each may build values up to the limit, and a chain
+    # of `param b = a + a` lines would otherwise grow memory far beyond the program's size.
+    budget = [WORK_LIMIT]
     for st in stmts:
         if not isinstance(st, A.Param):
             continue
@@ -114,7 +124,7 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
             problems.append(f"{st.loc}: param {st.name!r} would hide a built-in name; rename it")
             continue
         try:
-            values[st.name] = compile_expr(st.default)(Scope(dict(values)))
+            values[st.name] = compile_expr(st.default)(Scope(dict(values), budget=budget))
         except EvalError as err:
             problems.append(f"{err.loc}: param default: {err.message} (defaults are constants)")
             continue
