@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 from weightmap import _ast as A
 from weightmap._configedit import apply_config_block
 from weightmap._dtypes import TensorSpec
-from weightmap._expr import EvalError, Scope, compile_expr, render, resolve_dtype, truth
+from weightmap._expr import (
+    MAX_INT_BITS,
+    EvalError,
+    Scope,
+    compile_expr,
+    render,
+    resolve_dtype,
+    truth,
+)
 from weightmap._group import build_group, members_of
 from weightmap._ops import Match, RuleProblem, build_simple, dtype_known
 from weightmap._pattern import Alternative, Matcher, compile_pattern
@@ -36,6 +44,7 @@ __all__ = ["CompileError", "Problem", "compile_plan"]
 MAX_NAME_CHARS = 1024  # far beyond any real tensor name; keeps headers sane
 PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,8 @@ class _Compiler:
                     self.mapping.param_locs[name],
                     f"param {name!r} takes a {type(values[name]).__name__}, got {value!r}",
                 )
+            elif (why := _not_json(value)) is not None:
+                self.report(self.mapping.param_locs[name], f"param {name!r}: {why}")
             else:
                 values[name] = value
         return values
@@ -277,6 +288,11 @@ def _compile(
     config: dict[str, Any] | None,
     params: dict[str, Any] | None,
 ) -> Plan:
+    if params is not None and not isinstance(params, dict):
+        raise MappingError(f"params must be a dict of name to value, not {type(params).__name__}")
+    if config is not None and (not isinstance(config, dict) or _not_json(config) is not None):
+        why = "is not an object" if not isinstance(config, dict) else _not_json(config)
+        raise MappingError(f"the checkpoint's config {why}")
     c = _Compiler(mapping, inputs, config)
     seen: set[str] = set()
     for spec in c.inputs:
@@ -349,6 +365,8 @@ def _compile(
             c.report(block.loc, "the mapping edits config.json but the checkpoint has none")
             break
         apply_config_block(block, out_config, scope, c.report)
+    if out_config is not None and flat.configs and (why := _not_json(out_config)) is not None:
+        c.report(flat.configs[-1].loc, f"the edited config.json {why}")
     outputs.sort(key=lambda x: (x[0], x[1].name))
     _check_names([o for _i, o in outputs], c)
     if c.problems:
@@ -367,6 +385,41 @@ def _compile(
         config=out_config,
         input_config=config,
     )
+
+
+_MAX_VALUE_DEPTH = 64
+
+
+def _not_json(value: Any) -> str | None:
+    """Why a caller's value cannot be a mapping value (JSON, bounded), or None if it can.
+
+    Params flow into names, configs and plans that are written as UTF-8 JSON; anything else
+    (objects, bytes, sets, 100k-digit ints, lone surrogates, deep nesting) would fail there.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > _MAX_VALUE_DEPTH:
+            return f"nests deeper than {_MAX_VALUE_DEPTH} levels"
+        if v is None or isinstance(v, (bool, float)):
+            continue
+        if isinstance(v, int):
+            if v.bit_length() > MAX_INT_BITS:
+                return f"integer exceeds {MAX_INT_BITS} bits"
+        elif isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                return "string holds a lone surrogate, which is not UTF-8"
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    return f"object key {k!r} is not a string"
+                stack.append((k, depth + 1))
+                stack.append((x, depth + 1))
+        else:
+            return f"{type(v).__name__} is not a JSON value"
+    return None
 
 
 def _source(spec: TensorSpec) -> Node:
@@ -397,6 +450,8 @@ def _bad_name(name: str) -> str | None:
         return "is reserved by safetensors"
     if _CONTROL.search(name):
         return "contains control characters"
+    if _LONE_SURROGATE.search(name):
+        return "contains a lone surrogate, which is not UTF-8"
     # Names are module paths to every loader (`model.layers.0.w`): whitespace, path
     # separators and empty segments never name a parameter, and look like path tricks.
     if any(ch.isspace() for ch in name):
