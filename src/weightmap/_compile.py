@@ -111,13 +111,14 @@ class _Compiler:
                 self.report(
                     A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})"
                 )
+            elif (why := _not_json(value)) is not None:
+                # Checked first: repr() of a 5000-digit int raises ValueError.
+                self.report(self.mapping.param_locs[name], f"param {name!r}: {why}")
             elif type(value) is not type(values[name]) and values[name] is not None:
                 self.report(
                     self.mapping.param_locs[name],
                     f"param {name!r} takes a {type(values[name]).__name__}, got {value!r}",
                 )
-            elif (why := _not_json(value)) is not None:
-                self.report(self.mapping.param_locs[name], f"param {name!r}: {why}")
             else:
                 values[name] = value
         return values
