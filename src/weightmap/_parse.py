@@ -33,6 +33,7 @@ LANGUAGE_VERSION = 1
 # a few levels), well inside Python's int-parsing and recursion limits.
 MAX_INT_DIGITS = 100
 MAX_EXPR_DEPTH = 100
+_FUNCTIONS = ("has", "len", "min", "max")
 
 STATEMENT_KEYWORDS = [
     "rename",
@@ -364,7 +365,19 @@ class _Builder:
             return A.Index(obj=self.expr(c[0], loc), index=self.expr(c[1], loc), loc=loc)
         if kind == "call":
             args = tuple(self.expr(a, loc) for a in c[1:] if a is not None)
-            return A.Call(func=str(c[0]), args=args, loc=loc)
+            func = str(c[0])
+            # Checked here: the evaluator would only find out when building the call, where
+            # its EvalError is not one of ours.
+            if func not in _FUNCTIONS:
+                syntax_error(
+                    self.text,
+                    loc,
+                    f"unknown function `{func}`",
+                    "the functions are has, len, min, max",
+                )
+            if func in ("has", "len") and len(args) != 1:
+                syntax_error(self.text, loc, f"{func}() takes one argument, got {len(args)}")
+            return A.Call(func=func, args=args, loc=loc)
         if kind == "neg":
             return A.Unary(op="-", operand=self.expr(c[0], loc), loc=loc)
         if kind == "not_":
