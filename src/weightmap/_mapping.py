@@ -141,6 +141,13 @@ def _from_program(name: str, text: str, program: A.Program, base: Path | None = 
     return Mapping(name=name, text=text, program=program, param_defaults=values, param_locs=locs)
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # too long for a file name, or a NUL byte: program text
+        return False
+
+
 def load_mapping(path_or_text: str | Path, *, name: str | None = None) -> Mapping:
     """Load a mapping from a file path or from source text.
 
@@ -151,7 +158,7 @@ def load_mapping(path_or_text: str | Path, *, name: str | None = None) -> Mappin
     if isinstance(path_or_text, Path) or (
         "\n" not in path_or_text
         and not path_or_text.lstrip().startswith("weightmap")
-        and (Path(path_or_text).is_file() or path_or_text.endswith(PRESET_SUFFIX))
+        and (_is_file(path_or_text) or path_or_text.endswith(PRESET_SUFFIX))
     ):
         path = Path(path_or_text)
         try:
