@@ -1,0 +1,946 @@
+"""Fuzzing the three parsers: safetensors headers, checkpoint index/config, mapping programs.
+
+The contract under test: any input yields either a valid result or one of weightmap's own
+errors (a :class:`~weightmap.errors.WeightmapError`) — never another exception type, never a
+hang (each example runs under a wall-clock alarm) and never memory far beyond the input.
+
+Each hypothesis test has a fixed ``max_examples`` so the file fits a CI budget; the same
+strategies and oracles drive the long-running ``fuzz/fuzz_parsers.py``. Inputs that once
+broke a parser are kept below as plain regression tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import signal
+import struct
+import tempfile
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
+from weightmap._compile import compile_plan
+from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec
+from weightmap._format import MAX_HEADER_SIZE, Header, parse_header, read_header
+from weightmap._mapping import Mapping, load_mapping
+from weightmap._plan import Plan
+from weightmap.errors import FormatError, WeightmapError
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+VALID_DIR = REPO / "tests" / "data" / "lang" / "valid"
+PRESET = REPO / "mappings" / "eagle3-sglang.wm"
+EXAMPLE = REPO / "examples" / "eagle3-speculators"
+
+# Per-example wall-clock limit: every parser here handles small inputs in milliseconds.
+EXAMPLE_TIMEOUT_S = 10.0
+# CI budget per hypothesis test (the whole file runs in well under a minute on 2 cores).
+CI_EXAMPLES = 500
+CI = settings(
+    max_examples=CI_EXAMPLES,
+    deadline=None,  # the alarm below catches hangs; hypothesis deadlines flake under load
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+class Hang(Exception):
+    """An example ran past EXAMPLE_TIMEOUT_S."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float = EXAMPLE_TIMEOUT_S) -> Iterator[None]:
+    """Raise :class:`Hang` in the main thread after ``seconds`` of wall-clock time."""
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Hang(f"example ran longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def ours(fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` under the alarm: its result, or None for one of weightmap's own errors.
+
+    Any other exception (KeyError, TypeError, RecursionError, MemoryError, ...) and
+    :class:`Hang` propagate: they are findings.
+    """
+    with time_limit():
+        try:
+            return fn()
+        except WeightmapError:
+            return None
+
+
+def utf8_clean(value: Any) -> None:
+    """A valid result must be writable: every string in it encodes as UTF-8 (no surrogates)."""
+    json.dumps(value, ensure_ascii=False, allow_nan=True).encode("utf-8")
+
+
+def check_header(header: Header, file_size: int) -> None:
+    """Invariants of a header that parsed: fully indexed, back to back, sizes consistent."""
+    position = 0
+    for name, info in header.tensors.items():
+        assert name == info.name and info.dtype in DTYPES
+        assert info.begin == position and info.end >= info.begin
+        assert all(isinstance(d, int) and d >= 0 for d in info.shape)
+        assert info.nbytes * 8 == math.prod(info.shape) * DTYPES[info.dtype].bits
+        position = info.end
+    assert header.data_start + position == file_size == header.file_size
+    assert header.header_size <= MAX_HEADER_SIZE
+    utf8_clean(list(header.tensors))
+    if header.metadata is not None:
+        assert all(isinstance(v, str) for v in header.metadata.values())
+        utf8_clean(dict(header.metadata))
+
+
+def header_file_case(data: bytes, folder: Path) -> Header | None:
+    """Target `header`: ``data`` as a whole file, through read_header and parse_header."""
+    path = folder / "fuzz.safetensors"
+    path.write_bytes(data)
+    header = ours(lambda: read_header(path))
+    if header is not None:
+        check_header(header, len(data))
+    if len(data) >= 8:
+        (size,) = struct.unpack("<Q", data[:8])
+        raw = data[8 : 8 + min(size, MAX_HEADER_SIZE)]
+        direct = ours(lambda: parse_header(raw, header_size=len(raw), file_size=len(data)))
+        if direct is not None:
+            check_header(direct, len(data))
+    return header
+
+
+def check_plan(plan: Plan) -> None:
+    """Invariants of a plan that compiled: unique, writable output names."""
+    names = [o.name for o in plan.outputs]
+    assert len(names) == len(set(names))
+    assert all(isinstance(n, str) and n and n != "__metadata__" for n in names)
+    utf8_clean(names)
+    if plan.config is not None:
+        utf8_clean(plan.config)
+
+
+def mapping_case(
+    text: str, inputs: list[TensorSpec], config: dict[str, Any] | None, params: Any = None
+) -> Plan | None:
+    """Target `mapping`: load the text, then compile it against ``inputs`` and ``config``."""
+    mapping: Mapping | None = ours(lambda: load_mapping(text, name="fuzz.wm"))
+    if mapping is None:
+        return None
+    plan = ours(lambda: compile_plan(mapping, inputs, config, params=params))
+    if plan is not None:
+        check_plan(plan)
+    return plan
+
+
+# ---------------------------------------------------------------- shared fixtures (on disk)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> Path:
+    """A valid safetensors file of zero-filled tensors."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * DTYPES[dtype].bits // 8
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    return path
+
+
+SHARDS: dict[str, dict[str, tuple[str, list[int]]]] = {
+    "model-00001-of-00002.safetensors": {"a.weight": ("F32", [2, 3]), "a.bias": ("F16", [3])},
+    "model-00002-of-00002.safetensors": {"b.weight": ("BF16", [4]), "b.scale": ("I64", [])},
+}
+VALID_INDEX: dict[str, Any] = {
+    "metadata": {"total_size": 40},
+    "weight_map": {name: shard for shard, ts in SHARDS.items() for name in ts},
+}
+
+
+def make_sharded(folder: Path) -> Path:
+    """Shards plus a symlink that escapes the folder and an outside file it points to."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, tensors in SHARDS.items():
+        write_safetensors(folder / shard, tensors)
+    outside = write_safetensors(folder.parent / "outside.safetensors", {"x": ("U8", [1])})
+    with contextlib.suppress(FileExistsError):
+        (folder / "escape.safetensors").symlink_to(outside)
+    (folder / "sub").mkdir(exist_ok=True)
+    return folder
+
+
+def index_case(index: bytes, folder: Path) -> Checkpoint | None:
+    """Target `index`: ``index`` as model.safetensors.index.json next to real shards."""
+    (folder / INDEX_NAME).write_bytes(index)
+    ckpt = ours(lambda: Checkpoint.open(folder))
+    if ckpt is not None:
+        assert set(ckpt) <= {n for ts in SHARDS.values() for n in ts}
+        for path in ckpt.files:
+            assert path.resolve().parent == folder.resolve()
+    return ckpt
+
+
+CONFIG_MAPPING = """weightmap 1
+keep "**"
+warn if has(config.a) and config.a == 1 "a is {config.a}"
+config {
+  if has(config.hidden_size) { width = config.hidden_size * 2 }
+  if has(config.layers) and config.layers in [[1], [2]] { n = len(config.layers) }
+  delete? num_layers, torch_dtype
+  if has(config.rope_scaling) { move rope_scaling -> rope_parameters }
+  if has(config.text_config) { lift text_config overwrite }
+  copied = config
+}
+"""
+
+
+def config_case(
+    config: bytes, folder: Path, presets: list[tuple[Mapping, list[TensorSpec]]]
+) -> None:
+    """Target `config`: ``config`` as config.json; if it loads, compile config-reading mappings."""
+    (folder / CONFIG_NAME).write_bytes(config)
+    ckpt = ours(lambda: Checkpoint.open(folder))
+    if ckpt is None:
+        return
+    cfg = ckpt.config
+    utf8_clean(cfg)
+    for mapping, inputs in presets:
+        plan = ours(lambda mapping=mapping, inputs=inputs: compile_plan(mapping, inputs, cfg))
+        if plan is not None:
+            check_plan(plan)
+
+
+# ---------------------------------------------------------------- strategies
+
+
+def json_values(max_leaves: int = 20) -> st.SearchStrategy[Any]:
+    """Arbitrary JSON values, with the numbers parsers trip on."""
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.sampled_from([0, -1, 2**63, 2**64, 2**64 - 1, -(2**63), 10**30, 10**400]),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=20),
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+class Nested:
+    """A placeholder for ``depth`` nested lists, spliced in as text (json.dumps would recurse)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+
+def dumps_loose(value: Any) -> bytes:
+    """JSON text as a hostile writer might produce it (NaN, Infinity, ints beyond 64 bits)."""
+    nests: list[Nested] = []
+
+    def placeholder(obj: object) -> str:
+        if isinstance(obj, Nested):
+            nests.append(obj)
+            return f"@@NEST{len(nests) - 1}@@"
+        raise TypeError(obj)
+
+    try:
+        text = json.dumps(value, allow_nan=True, default=placeholder)
+    except ValueError:  # an int past the str-conversion limit
+        return b"1" * 5000
+    for i, nest in enumerate(nests):
+        text = text.replace(f'"@@NEST{i}@@"', "[" * nest.depth + "0" + "]" * nest.depth)
+    return text.encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def byte_mutations(draw: st.DrawFn, data: bytes) -> bytes:
+    """Flip, insert, delete, duplicate or truncate bytes of ``data``, a few times."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "insert", "delete", "dup", "truncate", "replace"]))
+        at = draw(st.integers(0, len(out)))
+        if op == "flip" and out:
+            i = min(at, len(out) - 1)
+            out[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "insert":
+            out[at:at] = draw(
+                st.one_of(
+                    st.binary(min_size=1, max_size=8),
+                    st.sampled_from(
+                        [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"[", b"{", b'"', b"\\"]
+                    ),
+                )
+            )
+        elif op == "delete":
+            del out[at : at + draw(st.integers(1, 8))]
+        elif op == "dup":
+            out[at:at] = out[at : at + draw(st.integers(1, 32))]
+        elif op == "truncate":
+            del out[at:]
+        elif op == "replace" and out:
+            i = min(at, len(out) - 1)
+            out[i] = draw(st.integers(0, 255))
+    return bytes(out)
+
+
+@st.composite
+def header_entries(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid header as a dict (tensors back to back, optional metadata)."""
+    names = draw(st.lists(st.text(min_size=1, max_size=12), max_size=5, unique=True))
+    header: dict[str, Any] = {}
+    if draw(st.booleans()):
+        header["__metadata__"] = draw(
+            st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3)
+        )
+    offset = 0
+    for name in names:
+        if name == "__metadata__":
+            continue
+        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        shape = draw(st.lists(st.integers(0, 4), max_size=3))
+        bits = math.prod(shape) * DTYPES[dtype].bits
+        if bits % 8:
+            shape = [*shape, 2] if DTYPES[dtype].bits == 4 else [*shape, 4]
+            bits = math.prod(shape) * DTYPES[dtype].bits
+        size = bits // 8
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    return header
+
+
+HOSTILE_NUMBERS: list[Any] = [
+    -1,
+    -(2**63),
+    2**63,
+    2**64,
+    2**64 - 1,
+    2**70,
+    10**30,
+    1.5,
+    -0.0,
+    1e308,
+    float("nan"),
+    float("inf"),
+    True,
+    False,
+    None,
+    "1",
+    [],
+    {},
+    [1, 2, 3],
+]
+
+
+def _walk_numbers(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk_numbers(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _walk_numbers(v, (*path, i))
+    else:
+        yield path
+
+
+def _set(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _set(value[head], rest, new)}
+    copy = list(value)
+    copy[head] = _set(value[head], rest, new)
+    return copy
+
+
+@st.composite
+def mutated_json(draw: st.DrawFn, doc: Any) -> bytes:
+    """``doc`` with structural damage, serialised (sometimes with duplicate keys or nesting)."""
+    for _ in range(draw(st.integers(0, 3))):
+        paths = list(_walk_numbers(doc))
+        op = draw(st.sampled_from(["value", "nest", "drop", "extra", "metadata"]))
+        if op == "value" and paths:
+            path = draw(st.sampled_from(paths))
+            new = draw(st.one_of(st.sampled_from(HOSTILE_NUMBERS), json_values(5)))
+            doc = _set(doc, path, new)
+        elif op == "nest" and paths:
+            path = draw(st.sampled_from(paths))
+            depth = draw(st.sampled_from([2, 8, 9, 50, 600, 1100, 3000]))
+            doc = _set(doc, path, Nested(depth))
+        elif op == "drop" and isinstance(doc, dict) and doc:
+            key = draw(st.sampled_from(sorted(doc, key=str)))
+            doc = {k: v for k, v in doc.items() if k != key}
+        elif op == "extra" and isinstance(doc, dict):
+            doc = {**doc, draw(st.text(max_size=8)): draw(json_values(5))}
+        elif op == "metadata" and isinstance(doc, dict):
+            doc = {**doc, "__metadata__": draw(json_values(5))}
+    raw = dumps_loose(doc)
+    if draw(st.booleans()) and raw.startswith(b"{") and len(raw) > 2:
+        # Duplicate the first member: a duplicate key, or a plain copy of the document.
+        body = raw[1:-1]
+        first = body.split(b', "', 1)[0]
+        raw = b"{" + first + b", " + body + b"}"
+    if draw(st.booleans()):
+        raw = draw(byte_mutations(raw))
+    return raw
+
+
+@st.composite
+def header_files(draw: st.DrawFn) -> bytes:
+    """Whole files: a (possibly damaged) valid header, a (possibly lying) prefix, data."""
+    header = draw(header_entries())
+    raw = draw(mutated_json(header))
+    if draw(st.booleans()):
+        raw += b" " * draw(st.integers(0, 16))
+    ends = [
+        e["data_offsets"][1]
+        for k, e in header.items()
+        if k != "__metadata__" and isinstance(e, dict)
+    ]
+    data_len = max(ends, default=0) + draw(st.sampled_from([0, 0, 0, -1, 1, 8]))
+    size = len(raw) + draw(
+        st.sampled_from([0, 0, 0, 1, -1, 8, -8, MAX_HEADER_SIZE + 1, U64_MAX, 2**63])
+    )
+    prefix = struct.pack("<Q", size % 2**64)
+    return prefix + raw + bytes(max(0, data_len))
+
+
+HOSTILE_SHARD_NAMES: list[Any] = [
+    "../x",
+    "../model-00001-of-00002.safetensors",
+    "/etc/passwd",
+    "/tmp",
+    "a\x00b",
+    "",
+    ".",
+    "..",
+    "sub",
+    "sub/model-00001-of-00002.safetensors",
+    "model-00001-of-00002.safetensors/",
+    "..\\x",
+    "C:\\x",
+    "~",
+    "escape.safetensors",
+    "x" * 255,
+    "x" * 256,
+    "x" * 5000,
+    "\ud800.safetensors",
+    "é.safetensors",
+    0,
+    1.5,
+    None,
+    True,
+    [],
+    ["model-00001-of-00002.safetensors"],
+    {"a": 1},
+]
+
+
+@st.composite
+def index_docs(draw: st.DrawFn) -> bytes:
+    """Index files: the valid one damaged, hostile shard names, random JSON or bytes."""
+    kind = draw(st.sampled_from(["shards", "shards", "mutate", "json", "bytes"]))
+    if kind == "json":
+        return dumps_loose(draw(json_values()))
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "mutate":
+        return draw(mutated_json(VALID_INDEX))
+    shard_names = st.one_of(
+        st.sampled_from(sorted(SHARDS)), st.sampled_from(HOSTILE_SHARD_NAMES), st.text(max_size=20)
+    )
+    tensor_names = st.one_of(st.sampled_from(list(VALID_INDEX["weight_map"])), st.text(max_size=10))
+    weight_map = draw(st.dictionaries(tensor_names, shard_names, max_size=6))
+    doc: dict[str, Any] = {"weight_map": weight_map}
+    if draw(st.booleans()):
+        doc["metadata"] = draw(json_values(5))
+    return dumps_loose(doc)
+
+
+@st.composite
+def config_docs(draw: st.DrawFn) -> bytes:
+    """config.json files: random JSON, damaged real configs, deep nesting, bytes."""
+    kind = draw(st.sampled_from(["json", "mutate", "deep", "bytes", "text"]))
+    if kind == "json":
+        value = draw(json_values(30))
+        if draw(st.booleans()):
+            value = {"hidden_size": value, "layers": value, "a": 1, "text_config": value}
+        return dumps_loose(value)
+    if kind == "mutate":
+        base = json.loads((EXAMPLE / CONFIG_NAME).read_text())
+        return draw(mutated_json(base))
+    if kind == "deep":
+        depth = draw(st.sampled_from([50, 100, 400, 600, 900, 990, 1100, 5000]))
+        opener, closer = draw(st.sampled_from([(b'{"a":', b"}"), (b"[", b"]")]))
+        return opener * depth + b"1" + closer * depth
+    if kind == "text":
+        return draw(
+            st.sampled_from(
+                [b"NaN", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": 1e999}', b'{"a": "\\ud800"}']
+            )
+        )
+    return draw(st.binary(max_size=200))
+
+
+# ---- mapping programs
+
+
+def _program_cases() -> list[tuple[str, list[TensorSpec], dict[str, Any] | None]]:
+    cases = []
+    for wm in sorted(VALID_DIR.glob("*.wm")):
+        doc = json.loads(wm.with_suffix(".in.json").read_text())
+        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in doc["tensors"]]
+        # Inline includes: mutated text is loaded from a string, relative to no folder.
+        text = re.sub(
+            r'^include "([^"]+)"$',
+            lambda m: (VALID_DIR / m.group(1)).read_text().split("\n", 1)[1],
+            wm.read_text(),
+            flags=re.MULTILINE,
+        )
+        cases.append((text, specs, doc.get("config")))
+    example = Checkpoint.open(EXAMPLE)
+    cases.append((PRESET.read_text(), list(example.specs()), example.config))
+    return cases
+
+
+PROGRAMS = _program_cases()
+_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|\s+|#[^\n]*|.')
+VOCAB = sorted(
+    {t for text, _, _ in PROGRAMS for t in _TOKEN.findall(text) if not t.isspace()}
+    | {
+        "99999999999999999999999",
+        "9" * 5000,
+        "1e999",
+        "-1",
+        "0",
+        "[0] * 1000000000000",
+        '"{x:int}"',
+        '"{a,b}"',
+        '"**"',
+        '"{"',
+        '"}"',
+        '"\\u0000"',
+        '"\\ud800"',
+        '"a\\x"',
+        '"../x"',
+        '"/abs"',
+        '"__metadata__"',
+        "config",
+        "exists",
+        "[",
+        "]",
+        "{",
+        "}",
+        "(",
+        ")",
+        "?",
+        "->",
+        "\x00",
+        "é",
+        "\ud800",
+    }
+)
+
+
+@st.composite
+def mutated_programs(draw: st.DrawFn) -> tuple[str, list[TensorSpec], dict[str, Any] | None]:
+    """A valid program with tokens or characters deleted, inserted, duplicated or replaced."""
+    text, specs, config = draw(st.sampled_from(PROGRAMS))
+    tokens = _TOKEN.findall(text)
+    for _ in range(draw(st.integers(1, 5))):
+        op = draw(st.sampled_from(["del", "dup", "insert", "replace", "swap", "char", "number"]))
+        i = draw(st.integers(0, max(0, len(tokens) - 1)))
+        if op == "del" and tokens:
+            del tokens[i]
+        elif op == "dup" and tokens:
+            tokens[i:i] = tokens[i : i + draw(st.integers(1, 6))]
+        elif op == "insert":
+            tokens.insert(i, " " + draw(st.sampled_from(VOCAB)) + " ")
+        elif op == "replace" and tokens:
+            tokens[i] = draw(st.sampled_from(VOCAB))
+        elif op == "swap" and len(tokens) > 1:
+            j = draw(st.integers(0, len(tokens) - 1))
+            tokens[i], tokens[j] = tokens[j], tokens[i]
+        elif op == "char" and tokens:
+            tok = tokens[i]
+            at = draw(st.integers(0, len(tok)))
+            tokens[i] = tok[:at] + draw(st.characters(codec=None)) + tok[at + 1 :]
+        elif op == "number":
+            numbers = [k for k, t in enumerate(tokens) if t[:1].isdigit()]
+            if numbers:
+                k = draw(st.sampled_from(numbers))
+                tokens[k] = draw(
+                    st.sampled_from(["0", "-1", "1.5", "99999999999999999999", "1e308", "65536"])
+                )
+    return "".join(tokens), specs, config
+
+
+def params_values() -> st.SearchStrategy[Any]:
+    """Values a caller might pass as params, JSON or not."""
+    return st.one_of(
+        json_values(10),
+        st.sampled_from(
+            [
+                object(),
+                {1, 2},
+                b"bytes",
+                (1, 2),
+                1j,
+                2**15000,
+                -(2**257),
+                float("nan"),
+                "\x00",
+                "\ud800",
+            ]
+        ),
+        st.lists(st.sampled_from([object(), b"x", (1,)]), max_size=2),
+    )
+
+
+@st.composite
+def params_cases(draw: st.DrawFn) -> tuple[str, list[TensorSpec], dict[str, Any] | None, Any]:
+    """A valid program (or one with params declared) and an arbitrary params dict."""
+    text, specs, config = draw(st.sampled_from(PROGRAMS))
+    declared = draw(st.sampled_from(["null", "1", '"x"', "1.5", "[1]", '{"a": 1}', "true"]))
+    text = text.replace("weightmap 1\n", f"weightmap 1\nparam fuzz_p = {declared}\n", 1)
+    text += '\nrename? "never.{fuzz_x}" -> "{fuzz_p}.{fuzz_x}"\nwarn if fuzz_p == 1 "p {fuzz_p}"\n'
+    keys = st.one_of(st.sampled_from(["fuzz_p", "layout", "prefix"]), st.text(max_size=5))
+    params = draw(st.one_of(st.none(), st.dictionaries(keys, params_values(), max_size=3)))
+    return text, specs, config, params
+
+
+# ---------------------------------------------------------------- hypothesis tests
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scratch folder shared by every example of a module (hypothesis reruns the body)."""
+    return tmp_path_factory.mktemp("fuzz")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real shards (and an escaping symlink) that fuzzed index files point at."""
+    return make_sharded(tmp_path_factory.mktemp("fuzz-index") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-file checkpoint whose config.json gets fuzzed."""
+    folder = tmp_path_factory.mktemp("fuzz-config")
+    write_safetensors(folder / SINGLE_NAME, {"a.weight": ("F32", [2, 2])})
+    return folder
+
+
+def config_mappings() -> list[tuple[Mapping, list[TensorSpec]]]:
+    """Mappings that read and edit config.json, with the inputs they compile against."""
+    plain = [TensorSpec("a.weight", "F32", (2, 2))]
+    example = list(Checkpoint.open(EXAMPLE).specs())
+    return [
+        (load_mapping(CONFIG_MAPPING, name="config.wm"), plain),
+        (load_mapping(PRESET), example),
+    ]
+
+
+@CI
+@given(data=st.binary(max_size=300))
+def test_fuzz_header_arbitrary_bytes(workdir: Path, data: bytes) -> None:
+    header_file_case(data, workdir)
+
+
+@CI
+@given(prefix=st.integers(0, U64_MAX), body=st.binary(max_size=200))
+def test_fuzz_header_length_prefix(workdir: Path, prefix: int, body: bytes) -> None:
+    header_file_case(struct.pack("<Q", prefix) + body, workdir)
+
+
+@CI
+@given(data=header_files())
+def test_fuzz_header_mutated(workdir: Path, data: bytes) -> None:
+    header_file_case(data, workdir)
+
+
+@CI
+@given(header=header_entries())
+def test_fuzz_header_valid_ones_parse(workdir: Path, header: dict[str, Any]) -> None:
+    # The generator's valid headers must parse, or the mutation tests mutate nonsense.
+    raw = json.dumps(header).encode()
+    data_len = max(
+        (e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0
+    )
+    data = struct.pack("<Q", len(raw)) + raw + bytes(data_len)
+    parsed = header_file_case(data, workdir)
+    assert parsed is not None
+    assert set(parsed.tensors) == set(header) - {"__metadata__"}
+
+
+@CI
+@given(index=index_docs())
+def test_fuzz_index(sharded: Path, index: bytes) -> None:
+    index_case(index, sharded)
+
+
+def test_fuzz_valid_index_opens(sharded: Path) -> None:
+    ckpt = index_case(json.dumps(VALID_INDEX).encode(), sharded)
+    assert ckpt is not None and len(ckpt) == 4
+
+
+@settings(CI, max_examples=CI_EXAMPLES // 2)
+@given(config=config_docs())
+def test_fuzz_config(single: Path, config: bytes) -> None:
+    config_case(config, single, _CONFIG_MAPPINGS)
+
+
+@CI
+@given(text=st.text(max_size=200))
+def test_fuzz_mapping_random_text(text: str) -> None:
+    mapping_case(text, PROGRAMS[0][1], PROGRAMS[0][2])
+
+
+@CI
+@given(data=st.binary(max_size=200))
+def test_fuzz_mapping_random_bytes(data: bytes) -> None:
+    text = data.decode("utf-8", "surrogateescape")
+    mapping_case("weightmap 1\n" + text, PROGRAMS[0][1], PROGRAMS[0][2])
+
+
+@settings(CI, max_examples=CI_EXAMPLES * 2)
+@given(case=mutated_programs())
+def test_fuzz_mapping_mutated(case: tuple[str, list[TensorSpec], dict[str, Any] | None]) -> None:
+    mapping_case(*case)
+
+
+@CI
+@given(case=params_cases())
+def test_fuzz_mapping_params(
+    case: tuple[str, list[TensorSpec], dict[str, Any] | None, Any],
+) -> None:
+    mapping_case(*case)
+
+
+def test_fuzz_programs_compile_unmutated() -> None:
+    # The mutation corpus must be valid, or mutations only ever test the error path.
+    for text, specs, config in PROGRAMS:
+        assert mapping_case(text, specs, config) is not None
+
+
+_CONFIG_MAPPINGS = config_mappings()
+
+
+# ---------------------------------------------------------------- memory
+
+
+@contextlib.contextmanager
+def memory_bound(input_size: int, slack: int = 32 * 2**20) -> Iterator[None]:
+    """Fail when Python allocations peak above ``slack`` + 64 x the input size."""
+    tracemalloc.start()
+    try:
+        yield
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= slack + 64 * input_size, f"peak {peak} bytes for a {input_size}-byte input"
+
+
+@settings(CI, max_examples=30)
+@given(case=mutated_programs())
+def test_fuzz_mapping_memory(case: tuple[str, list[TensorSpec], dict[str, Any] | None]) -> None:
+    with memory_bound(len(case[0].encode("utf-8", "surrogatepass"))):
+        mapping_case(*case)
+
+
+@settings(CI, max_examples=30)
+@given(data=header_files())
+def test_fuzz_header_memory(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp, memory_bound(len(data)):
+        header_file_case(data, Path(tmp))
+
+
+# ---------------------------------------------------------------- regressions (findings)
+
+
+# Each input below once raised a foreign exception or hung; now each gets our own error.
+
+
+def _header(header: dict[str, Any], data_len: int) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(data_len)
+
+
+def test_regression_huge_shape_list_is_fast(workdir: Path) -> None:
+    # 80k dims of 2**62: the shape product took 11 s (quadratic); 100 MB headers took hours.
+    data = _header({"a": {"dtype": "F32", "shape": [2**62] * 80_000, "data_offsets": [0, 4]}}, 4)
+    (workdir / "big.safetensors").write_bytes(data)
+    with time_limit(2.0), pytest.raises(FormatError) as err:
+        read_header(workdir / "big.safetensors")
+    assert err.value.rule == "overflow"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"\ud800": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+        {
+            "__metadata__": {"k": "\udc00"},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        },
+    ],
+)
+def test_regression_header_lone_surrogate(header: dict[str, Any]) -> None:
+    # json decodes "\ud800" to a str that no UTF-8 writer can write back.
+    raw = json.dumps(header).encode()
+    with pytest.raises(FormatError) as err:
+        parse_header(raw, header_size=len(raw), file_size=8 + len(raw) + 1)
+    assert err.value.rule == "header-utf8"
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [[], ["model-00001-of-00002.safetensors"], {"a": 1}, "x" * 5000, "x" * 300, "\ud800.st"],
+    ids=["list", "list-of-name", "object", "name-5000", "name-300", "surrogate"],
+)
+def test_regression_index_hostile_shard(sharded: Path, shard: Any) -> None:
+    # Were TypeError (unhashable), OSError (ENAMETOOLONG) and UnicodeEncodeError.
+    weight_map = {**VALID_INDEX["weight_map"], "a.weight": shard}
+    (sharded / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(WeightmapError) as err:
+        Checkpoint.open(sharded)
+    # A lone surrogate fails the whole index ("json") before any shard is looked at.
+    assert err.value.rule in ("shard-name", "missing-shard", "json")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "config", [b'{"a":' * 600 + b"1" + b"}" * 600, b'{"a": "\\ud800"}'], ids=["deep", "surrogate"]
+)
+def test_regression_config_refused(single: Path, config: bytes) -> None:
+    # A 600-deep config loaded, then compiling raised RecursionError (copy.deepcopy); a lone
+    # surrogate loaded and could not be written.
+    (single / CONFIG_NAME).write_bytes(config)
+    with pytest.raises(WeightmapError) as err:
+        Checkpoint.open(single)
+    assert err.value.rule == "json"  # type: ignore[attr-defined]
+
+
+H = 'weightmap 1\nkeep "**"\n'
+N = 2000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        H + "param a = " + "9" * 5000,  # int() refuses 4300+ digits: ValueError
+        "weightmap " + "9" * 5000,
+        H + "param a = " + "[" * N + "]" * N,  # RecursionError in the AST builder
+        H + "param a = " + "+".join(["1"] * N),
+        H + "param a = " + "-" * N + "1",
+        H + "param a = " + "not " * N + "true",
+        H + "param a = config" + ".a" * N,
+        'weightmap 1\nrename "a.{x}" -> "b.{' + "+".join(["x"] * N) + '}"',
+        H + "param a = [0] * 1000000000000",  # MemoryError
+        H + "param a = [0] * 1000\nparam b = [[[1 for z in a] for y in a] for x in a]",  # hang
+        H
+        + "param a = 99999999999\n"  # squaring: 88 s, then ValueError printing the int
+        + "".join(
+            f"param a{i} = a{i - 1 if i else ''} * a{i - 1 if i else ''}\n" for i in range(22)
+        ),
+        H
+        + 'param a = "xxxxxxxxxx"\n'  # doubling a string: memory
+        + "".join(
+            f"param a{i} = a{i - 1 if i else ''} + a{i - 1 if i else ''}\n" for i in range(30)
+        ),
+        H + "param a = len(1, 2)",  # EvalError (internal) escaped while compiling the call
+        H + "param a = lenlen(1)",
+        "0" * 300 + "\x80" * 200,  # Path.is_file: OSError ENAMETOOLONG
+        "a\x00b",
+        'weightmap 1\nrename "a.{x}" -> "\\ud800{x}"',  # unwritable output name
+        'weightmap 1\nkeep "**"\nconfig { x = "\\udc00" }',  # unwritable config
+    ],
+    ids=[
+        "int-5000-digits",
+        "version-5000-digits",
+        "nested-list",
+        "long-sum",
+        "neg-chain",
+        "not-chain",
+        "attr-chain",
+        "template-sum",
+        "list-repeat",
+        "nested-comprehension",
+        "int-squaring",
+        "string-doubling",
+        "len-arity",
+        "unknown-function",
+        "one-line-too-long-for-a-path",
+        "one-line-with-nul",
+        "surrogate-name",
+        "surrogate-config",
+    ],
+)
+def test_regression_mapping_refused(text: str) -> None:
+    inputs = [TensorSpec("a.w", "F32", (2, 3))]
+    with time_limit(5.0), memory_bound(len(text)), pytest.raises(WeightmapError):
+        compile_plan(load_mapping(text), inputs, {"a": 1})
+
+
+@pytest.mark.parametrize(
+    ("params", "config"),
+    [
+        ({"p": object()}, None),  # TypeError in Plan.build
+        ({"p": [1, {2}]}, None),
+        ({"p": b"x"}, None),
+        ({"p": 2**15000}, None),  # ValueError printing it
+        ({"p": "\ud800"}, None),
+        ([1], None),  # AttributeError
+        (None, [1]),  # TypeError
+        (None, json.loads('{"a":' * 600 + "1" + "}" * 600)),  # RecursionError in deepcopy
+        (None, {"a": 10**400}),  # OverflowError once multiplied by a float
+    ],
+    ids=[
+        "object",
+        "set",
+        "bytes",
+        "int-15000-bits",
+        "surrogate",
+        "params-list",
+        "config-list",
+        "config-deep",
+        "config-huge-int",
+    ],
+)
+def test_regression_compile_arguments(params: Any, config: Any) -> None:
+    mapping = load_mapping('weightmap 1\nparam p = null\nrename "a.{x}" -> "b.{x}{p}"')
+    with pytest.raises(WeightmapError):
+        compile_plan(mapping, [TensorSpec("a.w", "F32", (2,))], config, params=params)
+
+
+def test_fuzz_oracle_flags_foreign_errors() -> None:
+    with pytest.raises(KeyError):
+        ours(lambda: {}["x"])
+    assert ours(lambda: (_ for _ in ()).throw(FormatError("x"))) is None
