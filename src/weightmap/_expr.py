@@ -166,9 +166,11 @@ def describe(e: A.Expr) -> str:
 
 
 def _arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
-    if op == "+" and (
-        (isinstance(a, str) and isinstance(b, str)) or (isinstance(a, list) and isinstance(b, list))
-    ):
+    if op == "+" and isinstance(a, str) and isinstance(b, str):
+        if s is not None:
+            s.charge(len(a) + len(b), loc)
+        return a + b
+    if op == "+" and isinstance(a, list) and isinstance(b, list):
         if s is not None:
             s.charge(len(a) + len(b), loc)
         return a + b
