@@ -332,13 +332,18 @@ def _compile(
             except RuleProblem as p:
                 report(p.loc, p.message)
                 continue
-            build_group(rule, members, matches, scope, emit, report)
+            try:
+                build_group(rule, members, matches, scope, emit, report)
+            except EvalError as err:  # an output name's template, e.g. an unknown {name}
+                report(err.loc, err.message)
             continue
         for m in matches:
             try:
                 gone = build_simple(rule, m, scope, emit)
             except RuleProblem as p:
                 report(p.loc, p.message)
+            except EvalError as err:  # an output name's template, e.g. an unknown {name}
+                report(err.loc, err.message)
             else:
                 if gone is not None:
                     dropped.append(gone)
