@@ -879,6 +879,8 @@ N = 2000
         H + "param a = lenlen(1)",
         "0" * 300 + "\x80" * 200,  # Path.is_file: OSError ENAMETOOLONG
         "a\x00b",
+        'weightmap 1\nrename "a.{x}" -> "{rest}"',  # EvalError from the output template
+        'weightmap 1\nsplit "a.{x}" dim 1 sizes [1, 2] -> "{q}", "{r}"',
         'weightmap 1\nrename "a.{x}" -> "\\ud800{x}"',  # unwritable output name
         'weightmap 1\nkeep "**"\nconfig { x = "\\udc00" }',  # unwritable config
     ],
@@ -899,6 +901,8 @@ N = 2000
         "unknown-function",
         "one-line-too-long-for-a-path",
         "one-line-with-nul",
+        "rename-unknown-name",
+        "split-unknown-name",
         "surrogate-name",
         "surrogate-config",
     ],
