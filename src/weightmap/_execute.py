@@ -438,26 +438,46 @@ class _Runner:
         ):
             src = _region(node.src, dim, start, stop, self.ckpt.view, name)
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
-            out.copy_(src)
+            self._copy_into(out, src)
             return _memory(out)
         part = _region(node, dim, start, stop, self.ckpt.view, name)
         if part.is_contiguous():
             return _memory(part)
         out = self._buffer(part.dtype, tuple(part.shape))
-        out.copy_(part)
+        self._copy_into(out, part)
         return _memory(out)
 
-    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """This thread's scratch buffer, grown as needed, viewed as ``dtype[shape]``."""
+    def _copy_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
+        """``out.copy_(src)``; a transposed view is first gathered in its own memory order.
+
+        Copied directly, a transposed view reads every element from a different row of the
+        input, a cache miss each. Gathering the view's rows into a compact block reads the
+        input in order, and the copy out of that block is a permute of a contiguous tensor,
+        which torch transposes in cache-sized tiles (2-D). Same elements, same result.
+        """
+        if src.dim() < 2 or src.stride(-1) == 1:
+            out.copy_(src)
+            return
+        strides = src.stride()
+        order = sorted(range(src.dim()), key=lambda d: -strides[d])
+        staged = src.permute(order)
+        block = self._buffer(src.dtype, tuple(staged.shape), slot=1)
+        block.copy_(staged)
+        inverse = [0] * len(order)
+        for i, d in enumerate(order):
+            inverse[d] = i
+        out.copy_(block.permute(inverse))
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
+        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``."""
         import torch
 
         nbytes = numel(shape) * dtype.itemsize
-        buf: torch.Tensor | None = getattr(self._scratch, "buf", None)
+        bufs: dict[int, torch.Tensor] = self._scratch.__dict__.setdefault("bufs", {})
+        buf = bufs.get(slot)
         if buf is None or buf.numel() < nbytes:
-            buf = None  # let the old buffer go before allocating the larger one
-            self._scratch.buf = None
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            self._scratch.buf = buf
+            bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
+            buf = bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes].view(dtype).view(shape)
 
 
