@@ -1,0 +1,325 @@
+"""One measured job, run in a fresh process by ``bench/run.py``; prints one JSON line.
+
+    python bench/_job.py weightmap SRC DST (--mapping FILE | --preset NAME) [--torch]
+    python bench/_job.py inplace SRC --mapping FILE --back FILE
+    python bench/_job.py naive SRC DST OP        # OP: rename, to-f32, to-bf16, split, transpose
+    python bench/_job.py cp SRC DST [--fsync]
+
+Only the operation is timed (``seconds``); imports happen before the clock starts and
+``startup`` is the time from interpreter start to the clock starting. ``rss_peak`` is
+``ru_maxrss`` (MiB) of this process (``rss_base``: the same just before the operation; ``hwm``:
+VmHWM, the peak of this address space alone, which ``ru_maxrss`` exceeds only by what the
+launching process held when it started this one). For ``cp``, ``rss_peak`` is the child's
+VmHWM sampled from /proc. A sampling thread records the largest anonymous and file-backed
+resident sizes seen (``anon_peak``, ``file_peak``), to tell private memory from pages of a
+memory-mapped input, which ``ru_maxrss`` counts too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_STARTED = time.perf_counter()
+_MIB = 1024.0  # ru_maxrss is in KiB on Linux
+SPLIT_NAME = "layers.0.self_attn.qkv_proj.weight"
+TRANSPOSE_NAME = "fc.weight"
+
+
+class Sampler:
+    """Largest RssAnon / RssFile of this process, read from /proc every few milliseconds."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.anon = 0
+        self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> None:
+        try:
+            with open("/proc/self/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"RssAnon:"):
+                        self.anon = max(self.anon, int(line.split()[1]))
+                    elif line.startswith(b"RssFile:"):
+                        self.file = max(self.file, int(line.split()[1]))
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._read()
+
+    def __enter__(self) -> Sampler:
+        self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
+
+
+def _maxrss(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / _MIB
+
+
+def _hwm(pid: int | str = "self") -> float | None:
+    """VmHWM (MiB): the peak RSS of the process's own address space, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / _MIB
+    except OSError:
+        pass
+    return None
+
+
+def _cpu(who: int = resource.RUSAGE_SELF) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _sys(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_stime
+
+
+def _measure(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    base = _maxrss()
+    startup = time.perf_counter() - _STARTED
+    with Sampler() as sampler:
+        cpu0, sys0 = _cpu(), _sys()
+        t0 = time.perf_counter()
+        extra = op()
+        seconds = time.perf_counter() - t0
+        cpu, system = _cpu() - cpu0, _sys() - sys0
+    return {
+        "seconds": seconds,
+        "cpu": cpu,
+        "sys": system,
+        "startup": startup,
+        "rss_base": base,
+        "rss_peak": _maxrss(),
+        "hwm": _hwm(),
+        "anon_peak": sampler.anon / _MIB,
+        "file_peak": sampler.file / _MIB,
+        **extra,
+    }
+
+
+# -- weightmap -------------------------------------------------------------------------------
+
+
+class ParserTimer:
+    """Times the first build of the rule-language parser (a one-off cost per process)."""
+
+    def __init__(self) -> None:
+        from weightmap import _parse
+
+        self.seconds = 0.0
+        real = _parse._parser
+
+        def timed() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real()
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        _parse._parser = timed  # type: ignore[assignment]
+
+
+class FsyncTimer:
+    """Wraps ``os.fsync`` to add up the time the writer spends waiting for the disk."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._real = os.fsync
+
+    def __call__(self, fd: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._real(fd)
+        finally:
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
+
+
+def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
+    if args.torch:
+        # A computing plan needs torch; import it before the clock, as the naive script does.
+        import torch  # noqa: F401
+
+    import weightmap
+
+    source = {"preset": args.preset} if args.preset else {"mapping": Path(args.mapping)}
+    timer = FsyncTimer()
+    os.fsync = timer
+    parser = ParserTimer()
+
+    def op() -> dict[str, Any]:
+        result = weightmap.remap(args.src, args.dst, progress=False, **source)
+        return {
+            "bytes_written": result.bytes_written,
+            "bytes_copied": result.bytes_copied,
+            "fsync": timer.seconds,
+            "parser": parser.seconds,
+            "torch_imported": "torch" in sys.modules,
+        }
+
+    return _measure(op)
+
+
+def job_inplace(args: argparse.Namespace) -> dict[str, Any]:
+    """The forward rename (timed as ``seconds``), then the backward one in the same process.
+
+    The first call builds the rule-language parser; the second (``second``) shows the cost of
+    the rewrite itself for a program that has already parsed a mapping.
+    """
+    import weightmap
+
+    forward, back = Path(args.mapping), Path(args.back)
+    timer = FsyncTimer()
+    os.fsync = timer
+    parser = ParserTimer()
+
+    def op() -> dict[str, Any]:
+        weightmap.remap(args.src, mapping=forward, inplace=True, progress=False)
+        return {"fsync": timer.seconds, "parser": parser.seconds}
+
+    result = _measure(op)
+    timer.seconds = 0.0
+    t0 = time.perf_counter()
+    weightmap.remap(args.src, mapping=back, inplace=True, progress=False)
+    result["second"] = time.perf_counter() - t0
+    result["second_fsync"] = timer.seconds
+    result["torch_imported"] = "torch" in sys.modules
+    return result
+
+
+# -- the naive script ------------------------------------------------------------------------
+
+
+def job_naive(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(args.src), Path(args.dst)
+
+    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if args.op == "rename":
+            return {k.replace("layers.0.", "midlayer.", 1): v for k, v in sd.items()}
+        if args.op in ("to-f32", "to-bf16"):
+            dtype, source = (
+                (torch.float32, torch.bfloat16)
+                if args.op == "to-f32"
+                else (torch.bfloat16, torch.float32)
+            )
+            return {k: v.to(dtype) if v.dtype == source else v for k, v in sd.items()}
+        if args.op == "split":
+            q, k, v = (t.clone() for t in sd.pop(SPLIT_NAME).chunk(3, dim=0))
+            prefix = SPLIT_NAME.removesuffix("qkv_proj.weight")
+            return {**sd, prefix + "q_proj.weight": q, prefix + "k_proj.weight": k,
+                    prefix + "v_proj.weight": v}  # fmt: skip
+        if args.op == "transpose":
+            return {**sd, TRANSPOSE_NAME: sd[TRANSPOSE_NAME].T.contiguous()}
+        raise SystemExit(f"unknown naive op {args.op!r}")
+
+    def op() -> dict[str, Any]:
+        dst.mkdir()
+        sd = load_file(src / "model.safetensors")
+        sd = convert(sd)
+        save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+        if (src / "config.json").exists():
+            shutil.copyfile(src / "config.json", dst / "config.json")
+        return {}
+
+    return _measure(op)
+
+
+# -- cp --------------------------------------------------------------------------------------
+
+
+def job_cp(args: argparse.Namespace) -> dict[str, Any]:
+    """``cp -r``; its peak RSS is sampled from /proc, as ``RUSAGE_CHILDREN`` also counts this
+    wrapper's own resident set at the time it started the child."""
+    dst = Path(args.dst)
+    hwm = 0.0
+    t0 = time.perf_counter()
+    child = subprocess.Popen(["cp", "-r", args.src, args.dst])
+    while child.poll() is None:
+        hwm = max(hwm, _hwm(child.pid) or 0.0)
+        time.sleep(0.002)
+    seconds = time.perf_counter() - t0
+    if child.returncode:
+        raise SystemExit(f"cp failed with status {child.returncode}")
+    fsync = 0.0
+    if args.fsync:
+        t1 = time.perf_counter()
+        for path in sorted(dst.iterdir()):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dst, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        fsync = time.perf_counter() - t1
+        seconds += fsync
+    return {
+        "seconds": seconds,
+        "cpu": _cpu(resource.RUSAGE_CHILDREN),
+        "fsync": fsync,
+        "rss_peak": hwm,
+        "rusage_children": _maxrss(resource.RUSAGE_CHILDREN),
+        "rss_base": 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+    p = sub.add_parser("weightmap")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--mapping")
+    p.add_argument("--preset")
+    p.add_argument("--torch", action="store_true", help="import torch before timing")
+    p.set_defaults(fn=job_weightmap)
+    p = sub.add_parser("inplace")
+    p.add_argument("src")
+    p.add_argument("--mapping", required=True, help="the forward rename (timed)")
+    p.add_argument("--back", required=True, help="the rename that undoes it (timed apart)")
+    p.set_defaults(fn=job_inplace)
+    p = sub.add_parser("naive")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("op", choices=["rename", "to-f32", "to-bf16", "split", "transpose"])
+    p.set_defaults(fn=job_naive)
+    p = sub.add_parser("cp")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--fsync", action="store_true", help="fsync the copied files (timed)")
+    p.set_defaults(fn=job_cp)
+    args = parser.parse_args(argv)
+    result = args.fn(args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
