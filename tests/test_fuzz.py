@@ -33,7 +33,7 @@ from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap._format import MAX_HEADER_SIZE, Header, parse_header, read_header
 from weightmap._mapping import Mapping, load_mapping
 from weightmap._plan import Plan
-from weightmap.errors import FormatError, WeightmapError
+from weightmap.errors import FormatError, MappingError, WeightmapError
 
 T = TypeVar("T")
 
@@ -948,3 +948,16 @@ def test_fuzz_oracle_flags_foreign_errors() -> None:
     with pytest.raises(KeyError):
         ours(lambda: {}["x"])
     assert ours(lambda: (_ for _ in ()).throw(FormatError("x"))) is None
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/proc/self/status.wm"])
+def test_include_of_a_special_file_is_refused(target: str) -> None:
+    with pytest.raises(MappingError, match="not a regular file"):
+        load_mapping(f'weightmap 1\ninclude "{target}"\n')
+
+
+def test_include_of_a_huge_file_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.wm"
+    big.write_text("weightmap 1\n" + "# padding\n" * 200_000)
+    with pytest.raises(MappingError, match="larger than 1,000,000 bytes"):
+        load_mapping(f'weightmap 1\ninclude "{big}"\n')

@@ -77,6 +77,28 @@ class Mapping:
         )
 
 
+# A mapping is a few kilobytes; a larger include is a mistake or an attack (`/dev/zero`).
+MAX_INCLUDE_BYTES = 1_000_000
+
+
+def _read_include(path: Path, target: str, loc: A.Loc) -> str:
+    try:
+        if not path.is_file():
+            raise MappingError(f"{loc}: cannot include {target!r}: not a regular file")
+        with path.open("rb") as f:
+            data = f.read(MAX_INCLUDE_BYTES + 1)
+    except OSError as err:
+        raise MappingError(f"{loc}: cannot include {target!r}: {err.strerror}") from None
+    if len(data) > MAX_INCLUDE_BYTES:
+        raise MappingError(
+            f"{loc}: cannot include {target!r}: larger than {MAX_INCLUDE_BYTES:,} bytes"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MappingError(f"{loc}: cannot include {target!r}: not UTF-8 text") from None
+
+
 def _resolve_includes(
     program: A.Program, base: Path | None, stack: tuple[str, ...]
 ) -> tuple[A.Stmt, ...]:
@@ -89,10 +111,7 @@ def _resolve_includes(
         if "/" in target or target.endswith(PRESET_SUFFIX):
             path = (base or Path.cwd()) / target
             key = str(path.resolve())
-            try:
-                text = path.read_text(encoding="utf-8")
-            except OSError as err:
-                raise MappingError(f"{st.loc}: cannot include {target!r}: {err.strerror}") from None
+            text = _read_include(path, target, st.loc)
             file, sub_base = target, path.parent  # as written: stable in messages
         else:
             key = f"preset:{target}"
