@@ -240,9 +240,12 @@ def write_checkpoint(
 
 
 def read_header(folder: Path) -> dict[str, Any]:
-    with open(folder / "model.safetensors", "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header: dict[str, Any] = json.loads(f.read(n))
+    """The tensor entries of every ``*.safetensors`` file in ``folder`` (shards merged)."""
+    header: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header.update(json.loads(f.read(n)))
     header.pop("__metadata__", None)
     return header
 
@@ -391,7 +394,12 @@ class Runner:
                     samples[name].failures.append(exc.reason)
                     continue
                 if check is not None and not samples[name].runs:
-                    check(name, self.out)
+                    try:
+                        check(name, self.out)
+                    except (OSError, ValueError, RuntimeError) as exc:
+                        log(f"{name}: wrong output: {exc}")
+                        samples[name].failures.append(f"wrong output: {exc}")
+                        continue
                 samples[name].runs.append(result)
         self.clean()
         return samples
