@@ -13,12 +13,16 @@ strings to the grammar; their holes are parsed here so errors point inside the s
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
 import json
+import os
 import re
 from functools import lru_cache
 from typing import Any, NoReturn
 
+import lark
 from lark import Lark, Token, Tree
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
@@ -61,14 +65,45 @@ CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
+def _cache_file(grammar: str) -> str | None:
+    """Where to keep the built parser between processes, or None to build it every time.
+
+    Building the LALR tables takes ~0.1 s, most of a small conversion; loading them takes
+    ~0.01 s. The cache is a pickle, so it lives only in a folder that this user owns and
+    nobody else can write (never a shared temporary folder), and its name carries the lark
+    version and a hash of the grammar. ``WEIGHTMAP_PARSER_CACHE=0`` turns it off.
+    """
+    if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0" or not hasattr(os, "getuid"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "weightmap")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.stat(folder)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return None
+    digest = hashlib.sha256(grammar.encode()).hexdigest()[:16]
+    return os.path.join(folder, f"parser-lark{lark.__version__}-{digest}.cache")
+
+
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    return Lark(
-        read_text("grammars", "weightmap.lark"),
-        parser="lalr",
-        propagate_positions=True,
-        start=["start", "expr"],
-    )
+    grammar = read_text("grammars", "weightmap.lark")
+    cache = _cache_file(grammar)
+    options: dict[str, Any] = {
+        "parser": "lalr",
+        "propagate_positions": True,
+        "start": ["start", "expr"],
+    }
+    if cache is not None:
+        try:
+            return Lark(grammar, cache=cache, **options)
+        except Exception:  # a broken cache must never stop a conversion
+            with contextlib.suppress(OSError):
+                os.unlink(cache)
+    return Lark(grammar, **options)
 
 
 def syntax_error(text: str, loc: A.Loc, message: str, hint: str | None = None) -> NoReturn:
