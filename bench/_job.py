@@ -124,7 +124,7 @@ def _measure(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 class ParserTimer:
-    """Times the first build of the rule-language parser (a one-off cost per process)."""
+    """Times getting the rule-language parser: built, or loaded from its cache, once a process."""
 
     def __init__(self) -> None:
         from weightmap import _parse
@@ -187,7 +187,7 @@ def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
 def job_inplace(args: argparse.Namespace) -> dict[str, Any]:
     """The forward rename (timed as ``seconds``), then the backward one in the same process.
 
-    The first call builds the rule-language parser; the second (``second``) shows the cost of
+    The first call gets the rule-language parser; the second (``second``) shows the cost of
     the rewrite itself for a program that has already parsed a mapping.
     """
     import weightmap
