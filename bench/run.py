@@ -854,10 +854,27 @@ def render(
             "",
         ]
         rows = []
+        notes: list[str] = []
         for r in sizes:
             if not r.cold:
                 continue
             c = r.cold
+            shares = ", ".join(
+                f"{tool} {c[tool].median('cpu') / c[tool].median('seconds'):.0%}"
+                for tool in ("weightmap", "naive", "cp")
+            )
+            notes.append(
+                f"At {r.nbytes / GB:.2f} GB, CPU time is {shares} of the wall time, almost all "
+                "of it system time: reading into an emptied page cache and taking fresh pages "
+                "for the input and the output is kernel work, and on this virtual machine a "
+                "costly one (see every run)."
+                + (
+                    " cp + fsync coming out faster than cp, which it cannot really be, shows "
+                    "how noisy three runs are here."
+                    if c["cp+fsync"].median("seconds") < c["cp"].median("seconds")
+                    else ""
+                )
+            )
             wm, naive, cp, cpf = (
                 c[k].median("seconds") for k in ("weightmap", "naive", "cp", "cp+fsync")
             )
@@ -871,7 +888,7 @@ def render(
              "weightmap / (cp + fsync)", "naive / weightmap", "weightmap RSS", "naive RSS"],
             rows,
         )  # fmt: skip
-        lines += [""]
+        lines += ["", *notes, ""]
 
     # 2. in place
     lines += ["## 2. Rename in place", ""]
