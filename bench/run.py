@@ -806,7 +806,7 @@ def render(
         "",
     ]
     for text in (RENAME_FORWARD, CAST_TO_F32, SPLIT, TRANSPOSE):
-        lines += ["```", text.strip(), "```", ""]
+        lines += ["```weightmap", text.strip(), "```", ""]
 
     # 1. rename
     lines += ["## 1. Rename only, into a new folder", ""]
@@ -1030,7 +1030,7 @@ def render(
             "this file was generated; `bench/run.py` runs it and puts its output here when it is.",
         ]
     else:
-        lines += ["Output of `python bench/bench_compile.py`:", "", "```", compile_text, "```"]
+        lines += ["Output of `python bench/bench_compile.py`:", "", "```text", compile_text, "```"]
     lines += [""]
     return "\n".join(lines)
 
