@@ -20,7 +20,7 @@ import json
 import os
 import re
 from functools import lru_cache
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
 import lark
 from lark import Lark, Token, Tree
@@ -40,18 +40,7 @@ MAX_EXPR_DEPTH = 100
 _FUNCTIONS = ("has", "len", "min", "max")
 
 STATEMENT_KEYWORDS = [
-    "rename",
-    "keep",
-    "drop",
-    "split",
-    "chunk",
-    "merge",
-    "stack",
-    "unstack",
-    "transpose",
-    "permute",
-    "reshape",
-    "cast",
+    *get_args(A.RuleOp),
     "require",
     "warn",
     "param",
