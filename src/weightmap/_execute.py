@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightmap._checkpoint import Checkpoint
-from weightmap._dtypes import DTYPES, numel
+from weightmap._dtypes import DTYPES, nbytes, numel
 from weightmap._plan import (
     Cast,
     Concat,
@@ -125,7 +125,7 @@ def byte_segments(node: Node, limit: int = 1 << 20) -> list[Segment] | None:
     permute), or that it would take more than ``limit`` ranges.
     """
     if isinstance(node, Source):
-        return [Segment(node.name, 0, (numel(node.shape) * DTYPES[node.dtype].bits) // 8)]
+        return [Segment(node.name, 0, nbytes(node.dtype, node.shape))]
     if isinstance(node, Reshape):
         return byte_segments(node.src, limit)
     if isinstance(node, Cast):
@@ -399,7 +399,7 @@ class _Runner:
                 f"{name}: {opaque[0]} data can only be renamed, kept, reshaped, or split and "
                 "merged along whole bytes; this rule needs arithmetic on it"
             )
-        if o_bytes(node) == 0:
+        if nbytes(node.dtype, node.shape) == 0:
             if self.stats.checksums is not None:
                 self.stats.checksums[name] = 0
             return
@@ -555,7 +555,7 @@ def execute(
     try:
         with writer:
             # Biggest tensors first, so one large tensor does not finish last on its own.
-            jobs = sorted(plan.outputs, key=lambda o: -o_bytes(o.node))
+            jobs = sorted(plan.outputs, key=lambda o: -o.spec.nbytes)
             if n_workers == 1:
                 for out in jobs:
                     runner.run(out.name, out.node)
@@ -576,9 +576,3 @@ def execute(
     finally:
         runner.close()
     return writer, runner.stats
-
-
-def o_bytes(node: Node) -> int:
-    """Byte size of a node's output."""
-    bits: int = numel(node.shape) * DTYPES[node.dtype].bits
-    return bits // 8
