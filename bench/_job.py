@@ -127,10 +127,10 @@ class ParserTimer:
     """Times getting the rule-language parser: built, or loaded from its cache, once a process."""
 
     def __init__(self) -> None:
-        from weightmap import _parse
+        from weightmap.language import grammar
 
         self.seconds = 0.0
-        real = _parse._parser
+        real = grammar.parser
 
         def timed() -> Any:
             t0 = time.perf_counter()
@@ -139,7 +139,7 @@ class ParserTimer:
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        _parse._parser = timed  # type: ignore[assignment]
+        grammar.parser = timed  # type: ignore[assignment]
 
 
 class FsyncTimer:

@@ -12,8 +12,9 @@ import re
 import time
 from pathlib import Path
 
-from weightmap._dtypes import TensorSpec
-from weightmap._mapping import load_mapping
+from weightmap.compiler.compile import compile_plan
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language.mapping import load_mapping
 
 LAYERS, EXPERTS = 64, 512
 MAPPING = """weightmap 1
@@ -66,7 +67,7 @@ def measure(text: str, specs: list[TensorSpec], repeat: int = 5) -> tuple[int, i
     best, n_out = float("inf"), 0
     for _ in range(repeat):
         t0 = time.perf_counter()
-        plan = mapping.compile(specs, CONFIG)
+        plan = compile_plan(mapping, specs, CONFIG)
         best = min(best, time.perf_counter() - t0)
         n_out = len(plan.outputs)
     return len(specs), n_out, best

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 from lark import Lark
 
-from weightmap._dtypes import TensorSpec
-from weightmap._resources import read_text
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language.resources import read_text
 
 # Terminals whose regexes would otherwise produce mostly noise: realistic words instead, so
 # that generated programs reach the compiler, not only the parser.

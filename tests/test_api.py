@@ -185,7 +185,7 @@ def test_input_changed_after_compile_is_detected(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(4)}, tmp_path / "model.safetensors")
     plan = weightmap.compile(tmp_path, mapping='weightmap 1\nkeep "a"\n')
     save_file({"a": torch.zeros(5)}, tmp_path / "model.safetensors")
-    from weightmap._execute import execute
+    from weightmap.execute.streaming import execute
 
     with Checkpoint.open(tmp_path) as c, pytest.raises(ExecutionError, match="compile the plan"):
         execute(plan, c, tmp_path / "out")

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightmap._checkpoint import Checkpoint
 from weightmap.errors import CheckpointError, FormatError
+from weightmap.format.checkpoint import Checkpoint
 
 from sftools import entry, write_raw
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from weightmap._parse import parse_program
+from weightmap.language.parse import parse_program
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -11,26 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from weightmap._ast import Loc
-from weightmap._checkpoint import Checkpoint
-from weightmap._dtypes import DTYPES, TensorSpec, numel
-from weightmap._execute import _chunk_plan, byte_segments, execute
-from weightmap._inplace import recover, rewrite_inplace
-from weightmap._plan import (
-    Cast,
-    Concat,
-    Dropped,
-    Node,
-    OutputTensor,
-    Permute,
-    Plan,
-    Reshape,
-    Slice,
-    Source,
-    Stack,
-)
-from weightmap._reference import evaluate, tensor_bytes
 from weightmap.errors import CheckpointError, ExecutionError, PlanError
+from weightmap.execute.chunks import chunk_plan
+from weightmap.execute.inplace import recover, rewrite_inplace
+from weightmap.execute.kernels import evaluate, tensor_bytes
+from weightmap.execute.segments import byte_segments
+from weightmap.execute.streaming import execute
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, TensorSpec, numel
+from weightmap.language.ast import Loc
+from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 HERE = Loc("<test>", 1, 1)
 FLOATS = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"]
@@ -224,7 +215,7 @@ def test_chunk_plan_bounds_memory() -> None:
     # A 2.3 GB-class embedding cast: each chunk's intermediates stay within the budget.
     s = Source(name="embed", dtype="BF16", shape=(163840, 7168))
     node = Cast(src=s, dtype="F32", shape=s.shape)
-    dim, step = _chunk_plan(node, 64 * 2**20)
+    dim, step = chunk_plan(node, 64 * 2**20)
     assert dim == 0
     per_row = 7168 * (2 + 4)
     assert step * per_row <= 64 * 2**20
@@ -321,7 +312,7 @@ def test_inplace_refusals(tmp_path: Path) -> None:
 
 
 def test_interrupted_inplace_is_refused_then_recovered(tmp_path: Path) -> None:
-    import weightmap._inplace as inplace
+    import weightmap.execute.inplace as inplace
 
     inputs = {"layers.0.a": torch.randn(3)}
     root = _ckpt(tmp_path, **inputs)

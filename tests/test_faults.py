@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightmap
-import weightmap._writer as writer_mod
+import weightmap.format.writer as writer_mod
 from weightmap import Checkpoint, CheckpointError, ExecutionError, FormatError
-from weightmap._writer import TMP_MARKER
+from weightmap.format.atomic import TMP_MARKER
 
 EXE = [sys.executable, "-m", "weightmap"]
 CAST = 'weightmap 1\ncast "{x*}" to bf16 where dtype == f32\nunmatched keep\n'
@@ -225,7 +225,7 @@ def test_input_replaced_between_open_and_run(tmp_path: Path) -> None:
     with Checkpoint.open(src) as ckpt:
         plan = weightmap.compile(ckpt, mapping=CAST)
         save_file({"w": torch.ones(8)}, src / "model.safetensors")  # same shape, new bytes
-        from weightmap._execute import execute
+        from weightmap.execute.streaming import execute
 
         with pytest.raises(FormatError, match="changed"):
             execute(plan, ckpt, tmp_path / "out")
@@ -237,7 +237,7 @@ def test_input_replaced_between_open_and_run(tmp_path: Path) -> None:
 INPLACE_DRIVER = textwrap.dedent(
     """
     import os, signal, sys
-    import weightmap._inplace as inplace
+    import weightmap.execute.inplace as inplace
 
     limit = int(sys.argv[3])
     real = os.pwrite

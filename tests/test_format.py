@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightmap._format import MAX_HEADER_SIZE, read_header
 from weightmap.errors import FormatError
+from weightmap.format.header import MAX_HEADER_SIZE, read_header
 
 from sftools import entry, header_bytes, write_raw
 

@@ -27,13 +27,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, Checkpoint
-from weightmap._compile import compile_plan
-from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec
-from weightmap._format import MAX_HEADER_SIZE, Header, parse_header, read_header
-from weightmap._mapping import Mapping, load_mapping
-from weightmap._plan import Plan
+from weightmap.compiler.compile import compile_plan
 from weightmap.errors import FormatError, MappingError, WeightmapError
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
+from weightmap.format.header import MAX_HEADER_SIZE, Header, parse_header, read_header
+from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap.language.mapping import Mapping, load_mapping
+from weightmap.plan.plan import Plan
 
 T = TypeVar("T")
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from weightmap._dtypes import TensorSpec
-from weightmap._mapping import load_mapping
-from weightmap._plan import Plan
+from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, MappingSyntaxError
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language.mapping import load_mapping
+from weightmap.plan.plan import Plan
 
 DATA = Path(__file__).parent / "data" / "lang"
 UPDATE = os.environ.get("WEIGHTMAP_UPDATE_GOLDEN") == "1"
@@ -34,7 +35,7 @@ def _inputs(program: Path) -> tuple[list[TensorSpec], Any, dict[str, Any]]:
 def _compile(program: Path) -> Plan:
     mapping = load_mapping(program, name=program.name)
     tensors, config, params = _inputs(program)
-    return mapping.compile(tensors, config, params=params)
+    return compile_plan(mapping, tensors, config, params=params)
 
 
 def _check(expected: Path, actual: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 
 from strategies_language import CONFIG, HEADERS, programs
-from weightmap._mapping import load_mapping
-from weightmap._parse import parse_program
-from weightmap._unparse import unparse
+from weightmap.compiler.compile import compile_plan
+from weightmap.compiler.inverse import invert
 from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
+from weightmap.language.mapping import load_mapping
+from weightmap.language.parse import parse_program
+from weightmap.language.unparse import unparse
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -18,7 +20,7 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(
 def test_generated_programs_compile_or_raise_our_errors(text: str) -> None:
     try:
         mapping = load_mapping(text)
-        mapping.compile(HEADERS, CONFIG)
+        compile_plan(mapping, HEADERS, CONFIG)
     except WeightmapError:
         return
 
@@ -41,7 +43,7 @@ def test_inverse_is_a_program_or_refused(text: str) -> None:
     except WeightmapError:
         return
     try:
-        inverse = mapping.inverse()
+        inverse = invert(mapping)
     except MappingError:
         return
     assert parse_program(inverse.text).stmts == inverse.program.stmts

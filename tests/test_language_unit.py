@@ -6,17 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from weightmap import _mapping
-from weightmap._dtypes import TensorSpec as T
-from weightmap._mapping import load_mapping, load_preset, preset_names
-from weightmap._plan import Cast, Plan, Source
+from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, MappingSyntaxError
+from weightmap.format.dtypes import TensorSpec as T
+from weightmap.language import mapping as _mapping
+from weightmap.language.mapping import load_mapping, load_preset, preset_names
+from weightmap.plan.nodes import Cast, Source
+from weightmap.plan.plan import Plan
 
 W = [T("a.weight", "F32", (4, 4)), T("b.weight", "F32", (4, 2))]
 
 
 def compile_text(text: str, inputs: list[T] = W, config: object = None, **params: object) -> Plan:
-    return load_mapping("weightmap 1\n" + text, name="t.wm").compile(inputs, config, params=params)  # type: ignore[arg-type]
+    return compile_plan(
+        load_mapping("weightmap 1\n" + text, name="t.wm"), inputs, config, params=params
+    )  # type: ignore[arg-type]
 
 
 def test_first_matching_rule_wins_and_where_falls_through() -> None:
@@ -120,7 +124,7 @@ def test_include_and_cycle(tmp_path: Path) -> None:
     (tmp_path / "top.wm").write_text('weightmap 1\ninclude "base.wm"\n')
     m = load_mapping(tmp_path / "top.wm")
     assert m.param_defaults == {"p": 1}
-    assert len(m.compile(W).outputs) == 2
+    assert len(compile_plan(m, W).outputs) == 2
     (tmp_path / "loop.wm").write_text('weightmap 1\ninclude "loop.wm"\n')
     with pytest.raises(MappingError, match="include cycle"):
         load_mapping(tmp_path / "loop.wm")

@@ -8,20 +8,21 @@ from pathlib import Path
 
 import pytest
 
-import weightmap._parse as parse_mod
+import weightmap.language.parse as parse_mod
+from weightmap.language import grammar
 
 
 @pytest.fixture
 def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("WEIGHTMAP_PARSER_CACHE", raising=False)
-    parse_mod._parser.cache_clear()
+    grammar.parser.cache_clear()
     yield tmp_path
-    parse_mod._parser.cache_clear()
+    grammar.parser.cache_clear()
 
 
 def _parses() -> None:
-    parse_mod._parser.cache_clear()
+    grammar.parser.cache_clear()
     parse_mod.parse_program('weightmap 1\nrename "a.{x}" -> "b.{x}"\n')
 
 
@@ -47,7 +48,7 @@ def test_shared_folder_is_not_trusted(cache_home: Path) -> None:
     folder = cache_home / "weightmap"
     folder.mkdir(mode=0o777)
     os.chmod(folder, 0o777)  # others could plant a pickle here
-    assert parse_mod._cache_file("grammar") is None
+    assert grammar.cache_file("grammar") is None
     _parses()
     assert list(folder.iterdir()) == []
 

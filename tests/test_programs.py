@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import weightmap
-from weightmap._checkpoint import Checkpoint
-from weightmap._dtypes import DTYPES, numel
-from weightmap._execute import execute
-from weightmap._reference import execute_in_memory, tensor_bytes
+from weightmap.compiler.inverse import invert
+from weightmap.execute.kernels import tensor_bytes
+from weightmap.execute.memory import execute_in_memory
+from weightmap.execute.streaming import execute
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, numel
 
 FLOAT_ALIASES = {
     "F64": "f64",
@@ -177,7 +179,7 @@ def test_example_preset_free_roundtrip(example: Path, tmp_path: Path) -> None:
         'weightmap 1\nrename "layers.0.{rest*}" -> "midlayer.{rest}"\nunmatched keep\n'
     )
     weightmap.remap(example, tmp_path / "a", mapping=rules, progress=False)
-    back = rules.inverse()
+    back = invert(rules)
     weightmap.remap(tmp_path / "a", tmp_path / "b", mapping=back, progress=False)
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == (
         example / "model.safetensors"

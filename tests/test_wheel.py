@@ -18,7 +18,7 @@ CHECK = textwrap.dedent(
     import sys
     from pathlib import Path
     import weightmap
-    from weightmap._resources import data_dir, read_text
+    from weightmap.language.resources import data_dir, read_text
 
     pkg = Path(weightmap.__file__).resolve().parent
     assert Path(sys.prefix).resolve() in pkg.parents, f"weightmap imported from {pkg}"

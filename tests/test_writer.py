@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 
-from weightmap._checkpoint import Checkpoint
-from weightmap._dtypes import DTYPES, TensorSpec
-from weightmap._writer import TMP_MARKER, CheckpointWriter, parse_size, plan_shards
 from weightmap.errors import ExecutionError, OutputExistsError
+from weightmap.format.atomic import TMP_MARKER
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.layout import parse_size, plan_shards
+from weightmap.format.writer import CheckpointWriter
 
 TORCH_DTYPES = {name: d.torch() for name, d in DTYPES.items() if d.torch_name and name != "F4"}
 

@@ -7,11 +7,16 @@ into a new safetensors checkpoint in bounded memory.
 
 from __future__ import annotations
 
-from weightmap._api import Result, compile, iter_tensors, load_mapping, presets, remap, verify
-from weightmap._checkpoint import Checkpoint
-from weightmap._inplace import recover
-from weightmap._mapping import Mapping
-from weightmap._plan import Plan
+from weightmap.api import (
+    Result,
+    compile,
+    invert,
+    iter_tensors,
+    load_mapping,
+    presets,
+    remap,
+    verify,
+)
 from weightmap.errors import (
     CheckpointError,
     ExecutionError,
@@ -22,6 +27,10 @@ from weightmap.errors import (
     PlanError,
     WeightmapError,
 )
+from weightmap.execute.inplace import recover
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.language.mapping import Mapping
+from weightmap.plan.plan import Plan
 
 __version__ = "0.1.0"
 
@@ -40,6 +49,7 @@ __all__ = [
     "WeightmapError",
     "__version__",
     "compile",
+    "invert",
     "iter_tensors",
     "load_mapping",
     "presets",

@@ -15,16 +15,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._api import compile as compile_plan_for
-from weightmap._api import load_mapping, remap
-from weightmap._checkpoint import JOURNAL_NAME, Checkpoint
-from weightmap._diff import diff_checkpoints
-from weightmap._inplace import recover
-from weightmap._mapping import Mapping, load_preset, preset_names
-from weightmap._plan import Plan
-from weightmap._writer import remove_path, stale_temporaries
+from weightmap.api import compile as compile_plan_for
+from weightmap.api import invert, remap
 from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
+from weightmap.execute.inplace import recover
+from weightmap.format.atomic import remove_path, stale_temporaries
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.diff import diff_checkpoints
+from weightmap.format.layout import JOURNAL_NAME
+from weightmap.language import ast as A
+from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
+from weightmap.plan.plan import Plan
 
 __all__ = ["main"]
 
@@ -59,12 +60,14 @@ def _params(items: Sequence[str] | None) -> dict[str, Any]:
 def _mapping_of(args: argparse.Namespace) -> Mapping:
     if (args.preset is None) == (args.mapping is None):
         raise UsageError("give exactly one of --preset NAME or --mapping FILE")
-    if args.preset is not None:
-        return load_preset(args.preset)
-    path = Path(args.mapping)
-    if not path.is_file():
-        raise UsageError(f"mapping file {args.mapping} does not exist")
-    return load_mapping(path)
+    return resolve_mapping(args.preset, args.mapping)
+
+
+def _named_mapping(spec: str) -> Mapping:
+    """A command's MAPPING argument: a mapping file if one exists there, else a preset name."""
+    if Path(spec).is_file():
+        return resolve_mapping(mapping=Path(spec))
+    return resolve_mapping(preset=spec)
 
 
 def _summary(plan: Plan) -> str:
@@ -222,9 +225,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    rules = load_mapping(Path(args.mapping)) if Path(args.mapping).is_file() else None
-    if rules is None:
-        raise UsageError(f"mapping file {args.mapping} does not exist")
+    rules = _named_mapping(args.mapping)
     if args.checkpoint is None:
         print(f"{args.mapping}: parses; give a checkpoint to check it against one")
         return 0
@@ -235,13 +236,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_invert(args: argparse.Namespace) -> int:
-    path = Path(args.mapping)
-    rules = load_preset(args.mapping) if not path.is_file() and "/" not in args.mapping else None
-    if rules is None:
-        if not path.is_file():
-            raise UsageError(f"mapping file {args.mapping} does not exist")
-        rules = load_mapping(path)
-    print(rules.inverse().text.rstrip())
+    print(invert(_named_mapping(args.mapping)).text.rstrip())
     return 0
 
 

@@ -8,16 +8,24 @@ Messages name the file, the tensor or the rule, and what to do about it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightmap.language.ast import Loc
 
 __all__ = [
     "CheckpointError",
+    "CompileError",
     "ExecutionError",
     "FormatError",
     "MappingError",
     "MappingSyntaxError",
     "OutputExistsError",
     "PlanError",
+    "Problem",
     "WeightmapError",
 ]
 
@@ -65,9 +73,43 @@ class MappingError(WeightmapError, ValueError):
 PlanError = MappingError
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One compile error at a location in a mapping."""
+
+    loc: Loc
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.message}"
+
+
+class CompileError(MappingError):
+    """Every problem found while compiling a mapping; ``problems`` lists them in order."""
+
+    def __init__(self, problems: Sequence[Problem], mapping_name: str) -> None:
+        self.problems = tuple(problems)
+        n = len(self.problems)
+        head = f"mapping {mapping_name!r} cannot be applied ({n} problem{'s' * (n != 1)}):"
+        super().__init__("\n".join([head, *(f"  {p}" for p in self.problems)]))
+
+
 class ExecutionError(WeightmapError, OSError):
     """Writing the output failed; the destination was left as it was."""
 
 
 class OutputExistsError(ExecutionError, FileExistsError):
     """The destination exists and the caller did not ask to overwrite it (or it is the input)."""
+
+
+class LocatedProblem(Exception):
+    """Internal: something wrong at a place in a mapping (an expression, a rule, a filter).
+
+    Never reaches a user as it is: the compiler catches it and records a :class:`Problem`
+    (``loc`` None means "the rule being applied"). Subclasses say which stage found it.
+    """
+
+    def __init__(self, message: str, loc: Loc | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.loc = loc

@@ -1,35 +1,23 @@
 """Text -> syntax tree. Lark does the parsing; its exceptions never leave this module.
 
-Every syntax error becomes a :class:`MappingSyntaxError` whose message reads::
-
-    file:line:col: what is wrong
-        the offending source line
-        ^
-    hint: what to write instead
-
-Patterns (``"layers.{n:int}.{rest*}"``) and templates (``"layers.{n - 1}"``) are ordinary
-strings to the grammar; their holes are parsed here so errors point inside the string.
+Every syntax error becomes a :class:`MappingSyntaxError` with the line, a caret and a hint
+(``hints.py``). Patterns (``"layers.{n:int}.{rest*}"``) and templates (``"layers.{n - 1}"``)
+are ordinary strings to the grammar; their holes are parsed here so errors point inside the
+string.
 """
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import gc
-import hashlib
 import json
-import os
 import re
-from functools import lru_cache
-from typing import Any, NoReturn, get_args
+from typing import Any, NoReturn
 
-import lark
-from lark import Lark, Token, Tree
-from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark import Token, Tree
+from lark.exceptions import LarkError, UnexpectedInput
 
-from weightmap import _ast as A
-from weightmap._resources import read_text
-from weightmap.errors import MappingSyntaxError
+from weightmap.language import ast as A
+from weightmap.language import grammar
+from weightmap.language.hints import lark_error, syntax_error
 
 __all__ = ["LANGUAGE_VERSION", "parse_pattern", "parse_program", "parse_template", "syntax_error"]
 
@@ -40,174 +28,7 @@ MAX_INT_DIGITS = 100
 MAX_EXPR_DEPTH = 100
 _FUNCTIONS = ("has", "len", "min", "max")
 
-STATEMENT_KEYWORDS = [
-    *get_args(A.RuleOp),
-    "require",
-    "warn",
-    "param",
-    "include",
-    "unmatched",
-    "config",
-    "if",
-]
-CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
-
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def _cache_file(grammar: str) -> str | None:
-    """Where to keep the built parser between processes, or None to build it every time.
-
-    Building the LALR tables takes ~0.1 s, most of a small conversion; loading them takes
-    ~0.01 s. The cache is a pickle, so it lives only in a folder that this user owns and
-    nobody else can write (never a shared temporary folder), and its name carries the lark
-    version and a hash of the grammar. ``WEIGHTMAP_PARSER_CACHE=0`` turns it off.
-    """
-    if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0" or not hasattr(os, "getuid"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "weightmap")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.stat(folder)
-    except OSError:
-        return None
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        return None
-    digest = hashlib.sha256(grammar.encode()).hexdigest()[:16]
-    return os.path.join(folder, f"parser-lark{lark.__version__}-{digest}.cache")
-
-
-@lru_cache(maxsize=1)
-def _parser() -> Lark:
-    grammar = read_text("grammars", "weightmap.lark")
-    cache = _cache_file(grammar)
-    options: dict[str, Any] = {
-        "parser": "lalr",
-        "propagate_positions": True,
-        "start": ["start", "expr"],
-    }
-    if cache is not None:
-        # Unpickling the tables allocates many objects; with torch imported, the collector
-        # walking torch's objects meanwhile costs ~75 ms of an ~85 ms load.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return Lark(grammar, cache=cache, **options)
-        except Exception:  # a broken cache must never stop a conversion
-            with contextlib.suppress(OSError):
-                os.unlink(cache)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-    return Lark(grammar, **options)
-
-
-def syntax_error(text: str, loc: A.Loc, message: str, hint: str | None = None) -> NoReturn:
-    """Raise a MappingSyntaxError showing ``loc``'s line with a caret under its column."""
-    lines = text.splitlines()
-    out = [f"{loc}: {message}"]
-    if 1 <= loc.line <= len(lines):
-        src = lines[loc.line - 1].replace("\t", " ")
-        out += [f"    {src}", "    " + " " * (max(loc.col, 1) - 1) + "^"]
-    if hint:
-        out.append(f"hint: {hint}")
-    raise MappingSyntaxError("\n".join(out))
-
-
-# ---------------------------------------------------------------- error hints
-
-_TERMINAL_TEXT = {
-    "STRING": "a quoted string",
-    "NAME": "a name",
-    "INT": "an integer",
-    "FLOAT": "a number",
-    "COMP_OP": "a comparison",
-    "ADD_OP": "+ or -",
-    "MUL_OP": "* // or %",
-    "POLICY": "error, keep or drop",
-    "OPT": "?",
-    "$END": "the end of the file",
-}
-
-
-def _describe_expected(parser: Lark, expected: set[str]) -> str:
-    words = set()
-    for name in expected:
-        if name in _TERMINAL_TEXT:
-            words.add(_TERMINAL_TEXT[name])
-            continue
-        try:
-            pattern = parser.get_terminal(name).pattern
-        except KeyError:  # pragma: no cover - lark always knows its own terminals
-            words.add(name)
-            continue
-        words.add(f"`{pattern.value}`" if pattern.type == "str" else name)
-    if len(words) > 8:
-        return ""
-    return "; expected " + ", ".join(sorted(words))
-
-
-def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
-    rest = text[pos:]
-    if rest.startswith("=>"):
-        return "the arrow is written `->`"
-    if rest.startswith("'"):
-        return 'strings are written in double quotes: "..."'
-    if rest.startswith('"') and '"' not in rest.split("\n", 1)[0][1:]:
-        return "this string is not closed on its line"
-    if rest.startswith("=") and "COMP_OP" in expected:
-        return "compare with `==`"
-    if "STRING" in expected and _IDENT.match(word or ""):
-        return f'tensor names, patterns and messages are quoted: "{word}"'
-    keywords = [k for k in STATEMENT_KEYWORDS + list(CONFIG_KEYWORDS) if k.upper() in expected]
-    if word and keywords:
-        close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.6)
-        if close:
-            return f"did you mean `{close[0]}`?"
-    recent = text[:pos].rsplit("\n", 3)[-3:]
-    if "LBRACE" in expected and any(re.search(r"\bdelete\b.*\bif\b", x) for x in recent):
-        return "a conditional delete is written `delete PATH when CONDITION`"
-    if "RBRACE" in expected and not word:
-        return "a `{` block is not closed"
-    # A misspelt keyword is often taken for a name, so the error comes one word later.
-    before = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[:pos].rsplit("\n", 1)[-1])
-    if before:
-        close = difflib.get_close_matches(before[-1], [*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS], 1)
-        if close and close[0] != before[-1]:
-            return f"did you mean `{close[0]}`?"
-    return None
-
-
-def _lark_error(text: str, file: str, exc: UnexpectedInput) -> NoReturn:
-    parser = _parser()
-    line, col = max(exc.line, 1), max(exc.column, 1)
-    pos = exc.pos_in_stream if exc.pos_in_stream is not None else len(text)
-    expected: set[str] = set()
-    if isinstance(exc, UnexpectedToken):
-        expected = set(exc.expected)
-        tok = exc.token
-        word = str(tok) if tok.type != "$END" else ""
-        what = "end of file" if tok.type == "$END" else f"`{tok}`"
-        if tok.type == "$END":
-            body = text.rstrip()
-            line = body.count("\n") + 1
-            col = len(body.rsplit("\n", 1)[-1]) + 1
-            pos = len(text)
-    elif isinstance(exc, UnexpectedCharacters):
-        expected = set(exc.allowed or ())
-        word = text[pos : pos + 1]
-        what = f"character {word!r}"
-    else:  # UnexpectedEOF
-        expected = set(getattr(exc, "expected", ()) or ())
-        word, what = "", "end of file"
-    loc = A.Loc(file, line, col)
-    if line == 1 and col == 1 and not text.lstrip().startswith("weightmap"):
-        syntax_error(
-            text, loc, "a mapping must start with its language version", "first line: weightmap 1"
-        )
-    message = f"unexpected {what}{_describe_expected(parser, expected)}"
-    syntax_error(text, loc, message, _hint(text, pos, word, expected))
 
 
 # ---------------------------------------------------------------- patterns and templates
@@ -306,7 +127,7 @@ def parse_template(text: str, loc: A.Loc, source: str = "") -> A.Template:
             continue
         hole_loc = A.Loc(loc.file, loc.line, loc.col + 2 + off)
         try:
-            tree = _parser().parse(piece, start="expr")
+            tree = grammar.parser().parse(piece, start="expr")
         except LarkError:
             _in_string_error(
                 source, loc, off, f"bad expression {{{piece}}} in template", "e.g. {n - 1}"
@@ -565,9 +386,9 @@ def _count_input_strings(t: Tree[Any]) -> int:
 def parse_program(text: str, file: str = "<string>") -> A.Program:
     """Parse mapping source text into a :class:`Program`; MappingSyntaxError on any error."""
     try:
-        tree = _parser().parse(text, start="start")
+        tree = grammar.parser().parse(text, start="start")
     except UnexpectedInput as exc:
-        _lark_error(text, file, exc)
+        lark_error(text, file, exc)
     except LarkError as exc:  # pragma: no cover - grammar bugs only
         syntax_error(text, A.Loc(file, 1, 1), f"cannot parse: {exc}")
     b = _Builder(text, file)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from weightmap._plan import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
 
 if TYPE_CHECKING:
-    from weightmap._plan import Plan
+    from weightmap.plan.plan import Plan
 
 __all__ = ["config_diff", "explain"]
 

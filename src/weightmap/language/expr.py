@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._dtypes import DTYPES, TensorSpec
+from weightmap.errors import LocatedProblem
+from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.text import MAX_INT_BITS
+from weightmap.language import ast as A
 
 __all__ = [
     "DTYPE_ALIASES",
@@ -49,9 +51,9 @@ TENSOR_NAMES = ("name", "dtype", "shape")
 # Hostile-input bounds (a mapping is a program from a stranger): `[0] * 10**12`, strings or
 # ints squared param by param, or nested comprehensions would otherwise take unbounded memory
 # and time. One evaluation (a param default, a condition, one tensor's where/template) may
-# build at most WORK_LIMIT list items and characters; ints stay within MAX_INT_BITS.
+# build at most WORK_LIMIT list items and characters; ints stay within MAX_INT_BITS (the bound
+# on every JSON value weightmap writes).
 WORK_LIMIT = 1_000_000
-MAX_INT_BITS = 256
 
 
 def resolve_dtype(word: str) -> str | None:
@@ -59,12 +61,13 @@ def resolve_dtype(word: str) -> str | None:
     return DTYPE_ALIASES.get(word)
 
 
-class EvalError(Exception):
+class EvalError(LocatedProblem):
     """An expression cannot be evaluated; the compiler turns it into a located problem."""
 
+    loc: A.Loc
+
     def __init__(self, message: str, loc: A.Loc) -> None:
-        super().__init__(message)
-        self.message, self.loc = message, loc
+        super().__init__(message, loc)
 
 
 class MissingField(EvalError):

@@ -1,4 +1,4 @@
-"""Mappings: loading a program (from text, a file or a preset), its params, and inversion.
+"""Mappings: loading a program (from text, a file or a preset) and resolving its params.
 
 A preset is a file ``mappings/<name>.wm`` shipped with weightmap. ``include "name"`` splices
 another program's statements in place: a bare name is a preset, a name with a ``/`` or ending
@@ -7,14 +7,14 @@ in ``.wm`` is a file relative to the including file (or to the working directory
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._dtypes import TensorSpec
-from weightmap._expr import (
+from weightmap.errors import MappingError
+from weightmap.language import ast as A
+from weightmap.language.expr import (
     TENSOR_NAMES,
     WORK_LIMIT,
     EvalError,
@@ -22,12 +22,18 @@ from weightmap._expr import (
     compile_expr,
     resolve_dtype,
 )
-from weightmap._parse import parse_program
-from weightmap._plan import Plan
-from weightmap._resources import data_dir
-from weightmap.errors import MappingError
+from weightmap.language.parse import parse_program
+from weightmap.language.resources import data_dir
 
-__all__ = ["PRESET_SUFFIX", "Mapping", "load_mapping", "load_preset", "preset_names"]
+__all__ = [
+    "PRESET_SUFFIX",
+    "Mapping",
+    "from_program",
+    "load_mapping",
+    "load_preset",
+    "preset_names",
+    "resolve_mapping",
+]
 
 PRESET_SUFFIX = ".wm"
 
@@ -37,7 +43,9 @@ class Mapping:
     """A parsed, include-resolved mapping program.
 
     ``text`` is the program's source (for an inverse, generated source that parses back to it);
-    ``param_defaults`` are the declared params with their default values.
+    ``param_defaults`` are the declared params with their default values. A mapping is a value:
+    compile it with :func:`weightmap.compile` (or the compiler's ``compile_plan``), invert it
+    with :func:`weightmap.invert`.
 
     >>> m = load_mapping('weightmap 1\\nparam prefix = "model"\\nkeep "**"')
     >>> m.param_defaults
@@ -49,32 +57,6 @@ class Mapping:
     program: A.Program
     param_defaults: dict[str, Any]
     param_locs: dict[str, A.Loc]
-
-    def compile(
-        self,
-        inputs: Sequence[TensorSpec],
-        config: dict[str, Any] | None = None,
-        *,
-        params: dict[str, Any] | None = None,
-    ) -> Plan:
-        """Compile against headers and config: ``compile_plan(self, ...)``."""
-        from weightmap._compile import compile_plan
-
-        return compile_plan(self, inputs, config, params=params)
-
-    def inverse(self) -> Mapping:
-        """A mapping that undoes this one, or MappingError naming the rule that cannot be undone.
-
-        See docs/language.md ("Inversion") for which rules invert and how.
-        """
-        from weightmap._inverse import invert_program
-        from weightmap._unparse import unparse
-
-        program = invert_program(self.program)
-        text = unparse(program)
-        return _from_program(
-            f"{self.name} (inverse)", text, parse_program(text, f"{self.name}.inverse")
-        )
 
 
 # A mapping is a few kilobytes; a larger include is a mistake or an attack (`/dev/zero`).
@@ -153,7 +135,8 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
     return values, locs
 
 
-def _from_program(name: str, text: str, program: A.Program, base: Path | None = None) -> Mapping:
+def from_program(name: str, text: str, program: A.Program, base: Path | None = None) -> Mapping:
+    """A mapping from a parsed program: includes spliced in, params resolved."""
     stmts = _resolve_includes(program, base, (name,))
     program = A.Program(version=program.version, stmts=stmts, file=program.file)
     values, locs = _params(stmts)
@@ -167,28 +150,79 @@ def _is_file(text: str) -> bool:
         return False
 
 
-def load_mapping(path_or_text: str | Path, *, name: str | None = None) -> Mapping:
+def _is_text(source: str) -> bool:
+    """Program text, as opposed to a file name: several lines, or the version line."""
+    return "\n" in source or source.lstrip().startswith("weightmap")
+
+
+def _looks_like_file(source: str) -> bool:
+    return _is_file(source) or source.endswith(PRESET_SUFFIX) or "/" in source or os.sep in source
+
+
+def _read_file(path: Path, name: str | None) -> Mapping:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise MappingError(f"cannot read mapping {str(path)!r}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise MappingError(f"cannot read mapping {str(path)!r}: not UTF-8 text") from None
+    label = name or str(path)
+    return from_program(label, text, parse_program(text, label), path.parent)
+
+
+def load_mapping(source: str | os.PathLike[str] | Mapping, *, name: str | None = None) -> Mapping:
     """Load a mapping from a file path or from source text.
 
-    A :class:`~pathlib.Path`, or a one-line string naming an existing file, is read from disk;
-    any other string is the program itself. ``name`` labels errors and plans (default: the
-    file name, or ``<string>``).
+    A path-like object, or a one-line string naming an existing file (or ending in ``.wm``),
+    is read from disk; any other string is the program itself. A :class:`Mapping` is returned
+    as it is. ``name`` labels errors and plans (default: the file name, or ``<string>``).
+
+    >>> load_mapping('weightmap 1\nrename "a.{x}" -> "b.{x}"').name
+    '<string>'
     """
-    if isinstance(path_or_text, Path) or (
-        "\n" not in path_or_text
-        and not path_or_text.lstrip().startswith("weightmap")
-        and (_is_file(path_or_text) or path_or_text.endswith(PRESET_SUFFIX))
-    ):
-        path = Path(path_or_text)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise MappingError(f"cannot read mapping {str(path)!r}: {err.strerror}") from None
-        label = name or str(path)
-        return _from_program(label, text, parse_program(text, label), path.parent)
+    if isinstance(source, Mapping):
+        return source
+    if not isinstance(source, str):
+        return _read_file(Path(source), name)
+    if not _is_text(source) and (_is_file(source) or source.endswith(PRESET_SUFFIX)):
+        return _read_file(Path(source), name)
     label = name or "<string>"
-    text = str(path_or_text)
-    return _from_program(label, text, parse_program(text, label))
+    return from_program(label, source, parse_program(source, label))
+
+
+def resolve_mapping(
+    preset: str | None = None, mapping: str | os.PathLike[str] | Mapping | None = None
+) -> Mapping:
+    """The one place that decides what a caller meant: a preset name, a file or program text.
+
+    Exactly one of ``preset`` (a name from :func:`preset_names`) and ``mapping`` (a file path,
+    rule text or a loaded :class:`Mapping`) is given. Each points at the other where the caller
+    seems to have mixed them up (a file given as a preset, a preset name given as a mapping).
+    """
+    if (preset is None) == (mapping is None):
+        raise MappingError(
+            "give exactly one of preset= (--preset NAME, a name from `weightmap presets`) or "
+            "mapping= (--mapping FILE, a mapping file or rule text)"
+        )
+    if preset is not None:
+        if preset not in preset_names() and _looks_like_file(preset):
+            raise MappingError(
+                f"{preset!r} is a mapping file, not a preset name: pass it as mapping= "
+                "(--mapping FILE); presets are: " + (", ".join(preset_names()) or "none")
+            )
+        return load_preset(preset)
+    assert mapping is not None
+    if isinstance(mapping, str) and not _is_text(mapping) and not _is_file(mapping):
+        if mapping in preset_names():
+            raise MappingError(
+                f"{mapping!r} is a preset, not a mapping file: pass it as preset= "
+                f"(--preset {mapping})"
+            )
+        if _looks_like_file(mapping) or (mapping.strip() == mapping and " " not in mapping):
+            raise MappingError(
+                f"mapping file {mapping!r} does not exist (rule text starts with `weightmap 1`)"
+            )
+    return load_mapping(mapping)
 
 
 def preset_names() -> list[str]:
@@ -216,4 +250,4 @@ def _preset_text(name: str, loc: A.Loc | None = None) -> str:
 def load_preset(name: str) -> Mapping:
     """Load the preset ``mappings/<name>.wm``; MappingError listing the presets if unknown."""
     text = _preset_text(name)
-    return _from_program(name, text, parse_program(text, f"{name}{PRESET_SUFFIX}"))
+    return from_program(name, text, parse_program(text, f"{name}{PRESET_SUFFIX}"))

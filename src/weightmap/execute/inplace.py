@@ -19,10 +19,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, Checkpoint
-from weightmap._plan import Plan, Source
-from weightmap._writer import TMP_MARKER, fsync_dir
 from weightmap.errors import ExecutionError, PlanError
+from weightmap.format.atomic import TMP_MARKER, fsync_dir
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
+from weightmap.plan.nodes import Source
+from weightmap.plan.plan import Plan
 
 __all__ = ["inplace_headers", "recover", "rewrite_inplace"]
 

@@ -10,233 +10,38 @@ sibling folder that is moved into place only after every byte is written and fsy
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightmap._checkpoint import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from weightmap._dtypes import DTYPES, TensorSpec
 from weightmap.errors import ExecutionError, OutputExistsError
+from weightmap.format.atomic import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    TMP_MARKER,
+    fsync_dir,
+    is_within,
+    remove_path,
+    renameat2,
+    stale_temporaries,
+)
+from weightmap.format.dtypes import TensorSpec
+from weightmap.format.layout import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    plan_shards,
+)
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_SIZE",
-    "TMP_MARKER",
-    "CheckpointWriter",
-    "ShardPlan",
-    "build_header",
-    "fsync_dir",
-    "parse_size",
-    "plan_shards",
-    "remove_path",
-    "stale_temporaries",
-]
+__all__ = ["CheckpointWriter"]
 
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Temporary folders are named `.<dest>.weightmap-tmp-<pid>-<token>`: recognisable, so a later
-# run or `weightmap clean` can find and remove what a killed run left behind.
-TMP_MARKER = ".weightmap-tmp-"
 _COPY_CHUNK = 64 * 1024 * 1024
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(size: int | str) -> int:
-    """Parse a size such as ``"5GB"`` (decimal units, as the hub uses) or ``"512MiB"``.
-
-    >>> parse_size("5GB"), parse_size("1.5KiB"), parse_size(100)
-    (5000000000, 1536, 100)
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = _SIZE_RE.match(str(size))
-        unit = m.group(2).upper() if m else ""
-        if not m or unit not in _UNITS:
-            raise ValueError(
-                f"cannot parse size {size!r}: use a number with a unit such as 500MB, 5GB or 2GiB"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return value
-
-
-def _layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
-    # The reference writer's order: descending dtype rank, then name.
-    return sorted(specs, key=lambda s: (-DTYPES[s.dtype].rank, s.name))
-
-
-def build_header(
-    specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """Lay out one file: the padded JSON header and each tensor's data offsets.
-
-    The layout is the reference writer's (descending dtype rank, then name; header padded with
-    spaces to a multiple of 8), so the same tensors and metadata give the same bytes. Metadata
-    keys are written sorted, where the reference writer's order varies from run to run.
-    """
-    entries: dict[str, Any] = {}
-    if metadata:
-        entries["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
-    offsets: dict[str, tuple[int, int]] = {}
-    position = 0
-    for spec in _layout_order(specs):
-        size = spec.nbytes
-        offsets[spec.name] = (position, position + size)
-        entries[spec.name] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [position, position + size],
-        }
-        position += size
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, offsets
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """One output file: its name, header bytes, and each tensor's absolute file offset."""
-
-    filename: str
-    header: bytes
-    offsets: Mapping[str, tuple[int, int]]  # absolute [begin, end) in the file
-    size: int
-
-
-def plan_shards(
-    specs: Sequence[TensorSpec],
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    metadata: Mapping[str, str] | None = None,
-) -> list[ShardPlan]:
-    """Split tensors into shards greedily, in the given order, up to ``max_shard_size``.
-
-    A tensor larger than the limit gets a shard of its own. One shard is named
-    ``model.safetensors``; several are ``model-00001-of-0000N.safetensors``.
-    """
-    limit = parse_size(max_shard_size)
-    groups: list[list[TensorSpec]] = [[]]
-    current = 0
-    for spec in specs:
-        size = spec.nbytes
-        if groups[-1] and current + size > limit:
-            groups.append([])
-            current = 0
-        groups[-1].append(spec)
-        current += size
-    n = len(groups)
-    plans = []
-    for i, group in enumerate(groups, 1):
-        header, rel = build_header(group, metadata)
-        name = SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-        base = len(header)
-        offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
-        size = base + sum(s.nbytes for s in group)
-        plans.append(ShardPlan(name, header, offsets, size))
-    return plans
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
-    """Temporary outputs in ``folder`` left by runs that no longer exist.
-
-    A name carries its writer's pid (``.<dest>.weightmap-tmp-<pid>-<token>``): one whose
-    process is alive belongs to a running conversion and is never listed. Leftovers of an
-    overwrite's swap (``-old-``) and of small-file replacements are always stale.
-    """
-    prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
-    found = []
-    for entry in folder.iterdir() if folder.is_dir() else ():
-        name = entry.name
-        if not name.startswith(prefix) or TMP_MARKER.rstrip("-") not in name:
-            continue
-        tail = name.split(TMP_MARKER, 1)[1] if TMP_MARKER in name else ""
-        pid_text = tail.split("-", 1)[0]
-        if pid_text.isdigit() and _pid_alive(int(pid_text)):
-            continue
-        found.append(entry)
-    return sorted(found)
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file, link or folder tree."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
-# -- atomic rename -----------------------------------------------------------------------------
-
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """Linux renameat2; False where unavailable (other systems, old kernels, some filesystems)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is None:
-        return False
-    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(dst))
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a folder, so a rename or a new file in it survives a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_within(child: Path, parent: Path) -> bool:
-    try:
-        child.resolve().relative_to(parent.resolve())
-    except ValueError:
-        return False
-    return True
 
 
 class CheckpointWriter:
@@ -267,7 +72,7 @@ class CheckpointWriter:
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
         for p in protect:
-            if _is_within(Path(p), self.dest):
+            if is_within(Path(p), self.dest):
                 raise OutputExistsError(
                     f"{self.dest}: the destination holds the input ({p}); choose another folder "
                     "(in-place mode rewrites headers without a destination)"
@@ -480,13 +285,13 @@ class CheckpointWriter:
         try:
             if not dest.exists() and not dest.is_symlink():
                 # NOREPLACE: a run that finished first into the same destination wins; we refuse.
-                if not _renameat2(tmp, dest, _RENAME_NOREPLACE):
+                if not renameat2(tmp, dest, RENAME_NOREPLACE):
                     if dest.exists():
                         raise FileExistsError(errno.EEXIST, "exists", str(dest))
                     os.rename(tmp, dest)
             elif not self.overwrite:
                 raise FileExistsError(errno.EEXIST, "exists", str(dest))
-            elif _renameat2(tmp, dest, _RENAME_EXCHANGE):
+            elif renameat2(tmp, dest, RENAME_EXCHANGE):
                 # The old destination now sits at the temporary name; remove it.
                 remove_path(tmp)
             else:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightmap._checkpoint import Checkpoint
+from weightmap.format.checkpoint import Checkpoint
 
 __all__ = ["CheckpointDiff", "diff_checkpoints"]
 

@@ -11,10 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._dtypes import DTYPES, TensorSpec, numel
-from weightmap._expr import EvalError, Scope, compile_expr, compile_template, resolve_dtype, show
-from weightmap._plan import Cast, Dropped, Node, Permute, Reshape, Slice, Source
+from weightmap.errors import LocatedProblem
+from weightmap.format.dtypes import DTYPES, TensorSpec, numel
+from weightmap.language import ast as A
+from weightmap.language.expr import (
+    EvalError,
+    Scope,
+    compile_expr,
+    compile_template,
+    resolve_dtype,
+    show,
+)
+from weightmap.plan.nodes import Cast, Node, Permute, Reshape, Slice, Source
+from weightmap.plan.plan import Dropped
 
 __all__ = ["FLOAT_CASTS", "INT_CASTS", "Match", "RuleProblem", "build_simple", "check_cast"]
 
@@ -23,12 +32,8 @@ FLOAT_CASTS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 INT_CASTS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"})
 
 
-class RuleProblem(Exception):
+class RuleProblem(LocatedProblem):
     """A rule cannot be applied to a match; ``loc`` is None for the rule's own location."""
-
-    def __init__(self, message: str, loc: A.Loc | None = None) -> None:
-        super().__init__(message)
-        self.message, self.loc = message, loc
 
 
 @dataclass(frozen=True)

@@ -18,30 +18,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from weightmap._dtypes import DTYPES, TensorSpec
-from weightmap._format import Header, TensorInfo, _depth, read_header
 from weightmap.errors import CheckpointError, FormatError
+from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.header import Header, TensorInfo, read_header
+from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "CONFIG_NAME",
-    "INDEX_NAME",
-    "JOURNAL_NAME",
-    "SINGLE_NAME",
-    "Checkpoint",
-    "TensorLocation",
-]
-
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-# An in-place rewrite's journal (see _inplace.py); its presence means one was interrupted.
-JOURNAL_NAME = ".weightmap-inplace-journal.json"
-# Index and config files are small; a huge one is hostile, and json would hold it all.
-_MAX_JSON_SIZE = 256 * 1024 * 1024
-_MAX_JSON_DEPTH = 64
+__all__ = ["Checkpoint", "TensorLocation"]
 
 
 @dataclass(frozen=True)
@@ -51,45 +37,6 @@ class TensorLocation:
     path: Path
     offset: int
     length: int
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        size = path.stat().st_size
-        if size > _MAX_JSON_SIZE:
-            raise CheckpointError(
-                f"{what} is {size} bytes, over the {_MAX_JSON_SIZE}-byte limit",
-                path=path,
-                rule="json-too-large",
-            )
-        text = path.read_bytes().decode("utf-8")
-        value = json.loads(text)
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{what} is not UTF-8", path=path, rule="json") from None
-    except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule="json") from None
-    # json accepts nesting up to the recursion limit, deeper than later stages (copying,
-    # compiling) can walk; real configs nest a few levels.
-    if _depth(value, _MAX_JSON_DEPTH) > _MAX_JSON_DEPTH:
-        raise CheckpointError(
-            f"{what} nests deeper than {_MAX_JSON_DEPTH} levels", path=path, rule="json"
-        )
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate escape ("\ud800") decodes to a string no UTF-8 file can hold.
-        raise CheckpointError(
-            f"{what} holds a lone surrogate escape, which is not UTF-8", path=path, rule="json"
-        ) from None
-    return value
-
-
-def _encodable(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_file(path: Path) -> bool:
@@ -109,7 +56,7 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
         or name in (".", "..")
         or "\x00" in name
         or Path(name).is_absolute()
-        or not _encodable(name)
+        or not is_utf8(name)
     ):
         raise CheckpointError(
             f"weight_map names shard {name!r}; shards must be plain file names in the "
@@ -211,7 +158,7 @@ class Checkpoint:
 
     @classmethod
     def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
-        index = _read_json(index_path, "the index")
+        index = read_json_file(index_path, "the index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(
                 'index must be a JSON object with a "weight_map" object',
@@ -271,7 +218,7 @@ class Checkpoint:
         config: dict[str, Any] | None = None
         config_path = root / CONFIG_NAME
         if config_path.is_file():
-            loaded = _read_json(config_path, "config.json")
+            loaded = read_json_file(config_path, "config.json")
             if not isinstance(loaded, dict):
                 raise CheckpointError(
                     f"config.json holds a JSON {type(loaded).__name__}, not an object",

@@ -26,23 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightmap._checkpoint import Checkpoint
-from weightmap._dtypes import DTYPES, nbytes, numel
-from weightmap._plan import (
-    Cast,
-    Concat,
-    Node,
-    Permute,
-    Plan,
-    Reshape,
-    Slice,
-    Source,
-    Stack,
-    int_cast_fits,
-)
-from weightmap._reference import OPAQUE_DTYPES, cast, evaluate, tensor_bytes
-from weightmap._writer import CheckpointWriter
 from weightmap.errors import ExecutionError, FormatError
+from weightmap.execute.chunks import chunk_plan, region, tree_nodes
+from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
+from weightmap.execute.segments import Segment, byte_segments
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, nbytes, numel
+from weightmap.format.writer import CheckpointWriter
+from weightmap.plan.nodes import Cast, Node, int_cast_fits
+from weightmap.plan.plan import Plan
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "ExecutionStats",
-    "Segment",
-    "byte_segments",
     "check_inputs",
     "check_unchanged",
     "default_workers",
@@ -69,198 +59,9 @@ _SYNC_FILE_RANGE_WRITE = 2
 ProgressFn = Callable[[int], None]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """``length`` bytes of input tensor ``name`` starting ``offset`` bytes into it."""
-
-    name: str
-    offset: int
-    length: int
-
-
 def default_workers() -> int:
     """A sensible thread count: the cores, at most 8 (the disk is the limit beyond that)."""
     return max(1, min(8, os.cpu_count() or 1))
-
-
-def _row_bytes(node: Node, dim: int) -> int | None:
-    """Bytes of one index along ``dim`` (the product of the later dims); None if fractional."""
-    bits = numel(node.shape[dim + 1 :]) * DTYPES[node.dtype].bits
-    return bits // 8 if bits % 8 == 0 else None
-
-
-def _take(segments: list[Segment], offset: int, length: int) -> list[Segment]:
-    """The sub-sequence of bytes ``[offset, offset + length)`` of a segment list."""
-    out: list[Segment] = []
-    position = 0
-    for seg in segments:
-        end = position + seg.length
-        if end > offset and position < offset + length:
-            start = max(offset, position) - position
-            stop = min(offset + length, end) - position
-            out.append(Segment(seg.name, seg.offset + start, stop - start))
-        position = end
-        if position >= offset + length:
-            break
-    return out
-
-
-def _merge(segments: list[Segment]) -> list[Segment]:
-    out: list[Segment] = []
-    for seg in segments:
-        if seg.length == 0:
-            continue
-        last = out[-1] if out else None
-        if last and last.name == seg.name and last.offset + last.length == seg.offset:
-            out[-1] = Segment(last.name, last.offset, last.length + seg.length)
-        else:
-            out.append(seg)
-    return out
-
-
-def byte_segments(node: Node, limit: int = 1 << 20) -> list[Segment] | None:
-    """The input byte ranges whose concatenation is the node's output, or None.
-
-    None means the output's bytes differ from any arrangement of input bytes (a cast, a real
-    permute), or that it would take more than ``limit`` ranges.
-    """
-    if isinstance(node, Source):
-        return [Segment(node.name, 0, nbytes(node.dtype, node.shape))]
-    if isinstance(node, Reshape):
-        return byte_segments(node.src, limit)
-    if isinstance(node, Cast):
-        return byte_segments(node.src, limit) if node.src.dtype == node.dtype else None
-    if isinstance(node, Permute):
-        # Moving size-1 dims around leaves the bytes as they are.
-        moved = [p for p in node.perm if node.src.shape[p] != 1]
-        return byte_segments(node.src, limit) if moved == sorted(moved) else None
-    if isinstance(node, Slice):
-        src = byte_segments(node.src, limit)
-        inner = _row_bytes(node.src, node.dim)
-        outer = numel(node.src.shape[: node.dim])
-        if src is None or inner is None or outer > limit:
-            return None
-        row = node.src.shape[node.dim] * inner
-        out: list[Segment] = []
-        for o in range(outer):
-            out += _take(src, o * row + node.start * inner, (node.stop - node.start) * inner)
-        return _merge(out)
-    if isinstance(node, Concat | Stack):
-        parts = [byte_segments(s, limit) for s in node.srcs]
-        if any(p is None for p in parts):
-            return None
-        if isinstance(node, Stack):
-            outer = numel(node.shape[: node.dim])
-            rows = [_row_bytes(node, node.dim) for _ in node.srcs]
-        else:
-            outer = numel(node.shape[: node.dim])
-            rows = [
-                None if (r := _row_bytes(s, node.dim)) is None else r * s.shape[node.dim]
-                for s in node.srcs
-            ]
-        if outer * len(node.srcs) > limit or any(r is None for r in rows):
-            return None
-        out = []
-        for o in range(outer):
-            for part, r in zip(parts, rows, strict=True):
-                assert part is not None and r is not None
-                out += _take(part, o * r, r)
-        return _merge(out)
-    return None
-
-
-# -- the chunked compute path ------------------------------------------------------------------
-
-
-def _region(
-    node: Node, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
-) -> torch.Tensor:
-    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that."""
-    import torch
-
-    if isinstance(node, Source):
-        return get(node.name).narrow(dim, start, stop - start)
-    if isinstance(node, Cast):
-        return cast(
-            _region(node.src, dim, start, stop, get, where), node.src.dtype, node.dtype, where
-        )
-    if isinstance(node, Permute):
-        return _region(node.src, node.perm[dim], start, stop, get, where).permute(node.perm)
-    if isinstance(node, Slice):
-        if dim == node.dim:
-            return _region(node.src, dim, node.start + start, node.start + stop, get, where)
-        part = _region(node.src, dim, start, stop, get, where)
-        return part.narrow(node.dim, node.start, node.stop - node.start)
-    if isinstance(node, Concat):
-        if dim != node.dim:
-            parts = [_region(s, dim, start, stop, get, where) for s in node.srcs]
-            return torch.cat(parts, node.dim)
-        pieces, base = [], 0
-        for s in node.srcs:
-            size = s.shape[dim]
-            lo, hi = max(start, base), min(stop, base + size)
-            if lo < hi:
-                pieces.append(_region(s, dim, lo - base, hi - base, get, where))
-            base += size
-        return torch.cat(pieces, dim)
-    if isinstance(node, Stack):
-        if dim == node.dim:
-            return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
-        inner = dim if dim < node.dim else dim - 1
-        return torch.stack(
-            [_region(s, inner, start, stop, get, where) for s in node.srcs], node.dim
-        )
-    if isinstance(node, Reshape):
-        if numel(node.shape[:dim]) == 1:
-            # With only size-1 dims before it, a range along `dim` is a flat range of the
-            # source too.
-            per_out = numel(node.shape[dim + 1 :])
-            part = _flat(node.src, start * per_out, stop * per_out, get, where)
-            shape = list(node.shape)
-            shape[dim] = stop - start
-            return part.reshape(shape)
-        # Only reachable under a permute that moves a reshaped dim: computed whole.
-        return evaluate(node, get, where).narrow(dim, start, stop - start)
-    raise TypeError(f"unknown plan node {type(node).__name__}")
-
-
-def _flat(
-    node: Node, lo: int, hi: int, get: Callable[[str], torch.Tensor], where: str
-) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of ``node`` in row-major order, as a 1-D tensor."""
-    if not node.shape:
-        return evaluate(node, get, where).reshape(-1)[lo:hi]
-    dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
-    per = numel(node.shape[dim + 1 :])
-    r0, r1 = lo // per, -(-hi // per)
-    part = _region(node, dim, r0, r1, get, where).reshape(-1)
-    return part[lo - r0 * per : hi - r0 * per]
-
-
-def _nodes(node: Node) -> list[Node]:
-    children: list[Node] = []
-    if isinstance(node, Concat | Stack):
-        children = list(node.srcs)
-    elif isinstance(node, Cast | Permute | Slice | Reshape):
-        children = [node.src]
-    return [node] + [n for c in children for n in _nodes(c)]
-
-
-def _chunk_plan(node: Node, budget: int) -> tuple[int, int]:
-    """The output dim to chunk along and how many indices of it per chunk.
-
-    The dim is the first of size > 1, so each chunk is one contiguous byte range of the output.
-    The step keeps every intermediate of the tree (each roughly proportional to the chunk,
-    computed at up to 8 bytes per element) within ``budget``.
-    """
-    dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
-    extent = node.shape[dim] if node.shape else 1
-    total = sum(numel(n.shape) * max(DTYPES[n.dtype].itemsize, 1) for n in _nodes(node))
-    per_index = max(1, total // max(extent, 1))
-    return dim, max(1, min(extent, budget // per_index))
-
-
-# -- driving it --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -393,7 +194,7 @@ class _Runner:
         return raw.numpy().data
 
     def _compute(self, name: str, node: Node) -> None:
-        opaque = sorted({n.dtype for n in _nodes(node)} & OPAQUE_DTYPES)
+        opaque = sorted({n.dtype for n in tree_nodes(node)} & OPAQUE_DTYPES)
         if opaque:
             raise ExecutionError(
                 f"{name}: {opaque[0]} data can only be renamed, kept, reshaped, or split and "
@@ -403,7 +204,7 @@ class _Runner:
             if self.stats.checksums is not None:
                 self.stats.checksums[name] = 0
             return
-        dim, step = _chunk_plan(node, self.chunk_bytes)
+        dim, step = chunk_plan(node, self.chunk_bytes)
         extent = node.shape[dim] if node.shape else 1
         crc = 0
         offset = 0
@@ -436,11 +237,11 @@ class _Runner:
             and node.src.dtype != node.dtype
             and int_cast_fits(node.src.dtype, node.dtype)
         ):
-            src = _region(node.src, dim, start, stop, self.ckpt.view, name)
+            src = region(node.src, dim, start, stop, self.ckpt.view, name)
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
             self._copy_into(out, src)
             return _memory(out)
-        part = _region(node, dim, start, stop, self.ckpt.view, name)
+        part = region(node, dim, start, stop, self.ckpt.view, name)
         if part.is_contiguous():
             return _memory(part)
         out = self._buffer(part.dtype, tuple(part.shape))

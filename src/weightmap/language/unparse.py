@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from weightmap import _ast as A
+from weightmap.language import ast as A
 
 __all__ = ["pattern_text", "template_text", "unparse", "unparse_expr"]
 

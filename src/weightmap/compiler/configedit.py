@@ -11,8 +11,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._expr import EvalError, Scope, compile_expr, truth
+from weightmap.language import ast as A
+from weightmap.language.expr import EvalError, Scope, compile_expr, truth
 
 __all__ = ["apply_config_block"]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightmap import _ast as A
+from weightmap.language import ast as A
 
 __all__ = ["Alternative", "Matcher", "compile_pattern", "pattern_regex"]
 

@@ -1,34 +1,33 @@
-"""Evaluating a plan's operation trees on whole torch tensors.
+"""The value kernels: every plan operation on whole torch tensors.
 
-This is the simple, obviously correct semantics of every operation: the tests compare the
-streaming executor against it bit for bit, and :func:`weightmap.iter_tensors` uses it over
-memory-mapped views (where a view stays a view, nothing is copied).
+This is the simple, obviously correct semantics of every operation. The streaming executor's
+chunks call these kernels on slices; the in-memory executor (``memory.py``) calls them on whole
+tensors, and the tests compare the two bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from weightmap._dtypes import DTYPES
-from weightmap._plan import (
+from weightmap.errors import ExecutionError
+from weightmap.format.dtypes import DTYPES
+from weightmap.plan.nodes import (
     Cast,
     Concat,
     Node,
     Permute,
-    Plan,
     Reshape,
     Slice,
     Source,
     Stack,
     int_cast_fits,
 )
-from weightmap.errors import ExecutionError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OPAQUE_DTYPES", "cast", "evaluate", "execute_in_memory", "tensor_bytes"]
+__all__ = ["OPAQUE_DTYPES", "cast", "evaluate", "tensor_bytes"]
 
 # dtypes torch cannot compute with; they may only be moved byte for byte.
 OPAQUE_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
@@ -99,11 +98,3 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return flat.numpy().tobytes()
-
-
-def execute_in_memory(
-    plan: Plan, tensors: Mapping[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply a plan to fully loaded tensors, yielding ``(output name, tensor)`` in plan order."""
-    for out in plan.outputs:
-        yield out.name, evaluate(out.node, tensors.__getitem__, out.name)

@@ -15,10 +15,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._expr import Scope, compile_template, show
-from weightmap._ops import Match, RuleProblem, as_int, as_ints, evaluate, norm_dim, template_names
-from weightmap._plan import Concat, Node, Source, Stack
+from weightmap.compiler.ops import (
+    Match,
+    RuleProblem,
+    as_int,
+    as_ints,
+    evaluate,
+    norm_dim,
+    template_names,
+)
+from weightmap.language import ast as A
+from weightmap.language.expr import Scope, compile_template, show
+from weightmap.plan.nodes import Concat, Node, Source, Stack
 
 __all__ = ["Members", "build_group", "members_of"]
 

@@ -19,7 +19,7 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = ["data_dir", "read_text"]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def data_dir(folder: str) -> Traversable:

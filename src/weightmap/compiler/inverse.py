@@ -1,4 +1,4 @@
-"""``Mapping.inverse()``: turn each rule around, or say why it cannot be turned around.
+"""Inverting a mapping: turn each rule around, or say why it cannot be turned around.
 
 A rule inverts when its output names keep every capture of its input pattern (so the input
 name can be rebuilt) and its operation loses nothing:
@@ -21,15 +21,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from weightmap import _ast as A
-from weightmap._dtypes import DTYPES
-from weightmap._expr import TENSOR_NAMES, resolve_dtype
-from weightmap._ops import template_names
-from weightmap._plan import int_cast_fits
-from weightmap._unparse import pattern_text, template_text
+from weightmap.compiler.ops import template_names
 from weightmap.errors import MappingError
+from weightmap.format.dtypes import DTYPES
+from weightmap.language import ast as A
+from weightmap.language.expr import TENSOR_NAMES, resolve_dtype
+from weightmap.language.mapping import Mapping, from_program
+from weightmap.language.parse import parse_program
+from weightmap.language.unparse import pattern_text, template_text, unparse
+from weightmap.plan.nodes import int_cast_fits
 
-__all__ = ["invert_program", "lossless_cast"]
+__all__ = ["invert", "invert_program", "lossless_cast"]
 
 # (exponent bits, mantissa bits): A's values are all exact in B when both are <=.
 _FLOAT_BITS = {"F8_E4M3": (4, 3), "F8_E5M2": (5, 2), "F16": (5, 10), "BF16": (8, 7),
@@ -279,3 +281,20 @@ def invert_program(program: A.Program) -> A.Program:
     if problems:
         raise MappingError("mapping is not invertible:\n  " + "\n  ".join(problems))
     return A.Program(version=program.version, stmts=stmts, file=program.file)
+
+
+def invert(mapping: Mapping) -> Mapping:
+    """A mapping that undoes ``mapping``, or MappingError naming each rule that cannot be undone.
+
+    Its ``text`` is generated source that parses back to it. See docs/language.md
+    ("Inversion") for which rules invert and how.
+
+    >>> from weightmap.language.mapping import load_mapping
+    >>> print(invert(load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')).text.strip())
+    weightmap 1
+    rename "b.{x}" -> "a.{x}"
+    """
+    program = invert_program(mapping.program)
+    text = unparse(program)
+    name = f"{mapping.name} (inverse)"
+    return from_program(name, text, parse_program(text, f"{mapping.name}.inverse"))

@@ -18,8 +18,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from weightmap._dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.errors import FormatError
+from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
+from weightmap.format.text import is_utf8
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
 
@@ -77,43 +78,11 @@ def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> Form
     return FormatError(message, path=path, tensor=tensor, rule=rule)
 
 
-def _depth(value: object, limit: int) -> int:
-    """Nesting depth of a decoded JSON value, stopping early past ``limit``."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    deepest = 0
-    while stack:
-        item, level = stack.pop()
-        deepest = max(deepest, level)
-        if deepest > limit:
-            return deepest
-        if isinstance(item, dict):
-            stack.extend((v, level + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, level + 1) for v in item)
-    return deepest
+def _check_nesting(text: str, path: str) -> None:
+    """Refuse brackets nested past _MAX_DEPTH before json sees them.
 
-
-def _decode_json(raw: bytes, path: str) -> Any:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _fail(
-            path, "header-utf8", f"header is not valid UTF-8 (byte {exc.start} of the header)"
-        ) from None
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise _fail(path, "duplicate-name", f"name {key!r} appears twice in the header")
-            result[key] = value
-        return result
-
-    def no_constants(name: str) -> Any:
-        raise _fail(path, "header-json", f"header JSON contains {name}, which JSON does not allow")
-
-    # The JSON decoder is recursive: a header of nested brackets would exhaust the stack, so
-    # count brackets first. A valid header never nests deeper than 3.
+    The JSON decoder is recursive: a header of nested brackets would exhaust the stack.
+    """
     depth = 0
     in_string = False
     escaped = False
@@ -135,6 +104,28 @@ def _decode_json(raw: bytes, path: str) -> Any:
                 )
         elif ch in "]}":
             depth -= 1
+
+
+def _decode_json(raw: bytes, path: str) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(
+            path, "header-utf8", f"header is not valid UTF-8 (byte {exc.start} of the header)"
+        ) from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                raise _fail(path, "duplicate-name", f"name {key!r} appears twice in the header")
+            result[key] = value
+        return result
+
+    def no_constants(name: str) -> Any:
+        raise _fail(path, "header-json", f"header JSON contains {name}, which JSON does not allow")
+
+    _check_nesting(text, path)
     try:
         return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
     except FormatError:
@@ -165,108 +156,85 @@ def _bounded_numel(shape: list[int]) -> int:
     return n
 
 
-def _utf8(text: str) -> bool:
-    # json decodes a lone surrogate escape ("\ud800") to a str that cannot be written back
-    # as UTF-8; the reference implementation (Rust strings) refuses such headers.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _metadata(entry: object, path: str) -> dict[str, str]:
+    if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+        raise _fail(path, "metadata", "__metadata__ must map strings to strings only")
+    if not all(is_utf8(k) and is_utf8(v) for k, v in entry.items()):
+        raise _fail(path, "header-utf8", "__metadata__ holds a lone surrogate escape")
+    return entry
 
 
-def parse_header(
-    raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
-) -> Header:
-    """Validate the JSON header bytes of a file of ``file_size`` bytes.
+def _entry_keys(entry: dict[str, Any], path: str, name: str) -> None:
+    keys = set(entry)
+    if keys == _TENSOR_KEYS:
+        return
+    missing = sorted(_TENSOR_KEYS - keys)
+    extra = sorted(keys - _TENSOR_KEYS)
+    parts = [f"missing {', '.join(missing)}" if missing else "",
+             f"unexpected {', '.join(extra)}" if extra else ""]  # fmt: skip
+    detail = "; ".join(part for part in parts if part)
+    raise _fail(path, "tensor-entry", f"entry keys are wrong ({detail})", name)
 
-    ``raw`` is exactly the ``header_size`` bytes after the 8-byte length prefix. Raises a
-    :class:`FormatError` for the first rule the header breaks.
+
+def _tensor(name: str, entry: object, path: str) -> TensorInfo:
+    """One tensor entry, checked: keys, dtype, shape, offsets, and that they agree."""
+    if not is_utf8(name):
+        raise _fail(path, "header-utf8", "name holds a lone surrogate escape", name)
+    if not isinstance(entry, dict):
+        raise _fail(path, "tensor-entry", "entry is not an object", name)
+    _entry_keys(entry, path, name)
+    dtype_name = entry["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        known = ", ".join(DTYPES)
+        raise _fail(path, "dtype", f"unknown dtype {dtype_name!r} (known: {known})", name)
+    shape = _int_list(entry["shape"])
+    if shape is None or any(d < 0 for d in shape):
+        raise _fail(
+            path, "shape", f"shape {entry['shape']!r} is not a list of non-negative integers", name
+        )
+    offsets = _int_list(entry["data_offsets"])
+    if offsets is None or len(offsets) != 2 or offsets[0] < 0 or offsets[1] < 0:
+        raise _fail(
+            path,
+            "offsets",
+            f"data_offsets {entry['data_offsets']!r} is not a pair of non-negative integers",
+            name,
+        )
+    begin, end = offsets
+    if begin > end:
+        raise _fail(path, "offsets", f"data_offsets [{begin}, {end}] end before they begin", name)
+    if begin > U64_MAX or end > U64_MAX:
+        raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
+    count = _bounded_numel(shape)
+    bits = count * DTYPES[dtype_name].bits
+    if count > U64_MAX or bits > U64_MAX:
+        raise _fail(
+            path, "overflow", f"shape {shape} has more elements than 64 bits can count", name
+        )
+    if bits % 8:
+        raise _fail(
+            path,
+            "byte-size",
+            f"{dtype_name} shape {shape} holds {bits} bits, which is not a whole number of bytes",
+            name,
+        )
+    if end - begin != bits // 8:
+        raise _fail(
+            path,
+            "byte-size",
+            f"data_offsets span {end - begin} bytes but {dtype_name} shape {shape} needs "
+            f"{bits // 8}",
+            name,
+        )
+    return TensorInfo(name, dtype_name, tuple(shape), begin, end)
+
+
+def _check_layout(infos: list[TensorInfo], header_size: int, file_size: int, path: str) -> None:
+    """The data buffer is indexed exactly: back to back from 0, no trailing bytes.
+
+    ``infos`` must be sorted by (begin, end), so empty tensors sit before a non-empty one at
+    the same offset.
     """
-    decoded = _decode_json(raw, path)
-    if not isinstance(decoded, dict):
-        raise _fail(path, "header-object", "header JSON is not an object")
-
-    metadata: dict[str, str] | None = None
-    infos: list[TensorInfo] = []
-    for name, entry in decoded.items():
-        if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise _fail(path, "metadata", "__metadata__ must map strings to strings only")
-            if not all(_utf8(k) and _utf8(v) for k, v in entry.items()):
-                raise _fail(path, "header-utf8", "__metadata__ holds a lone surrogate escape")
-            metadata = entry
-            continue
-        if not _utf8(name):
-            raise _fail(path, "header-utf8", "name holds a lone surrogate escape", name)
-        if not isinstance(entry, dict):
-            raise _fail(path, "tensor-entry", "entry is not an object", name)
-        keys = set(entry)
-        if keys != _TENSOR_KEYS:
-            missing = sorted(_TENSOR_KEYS - keys)
-            extra = sorted(keys - _TENSOR_KEYS)
-            detail = "; ".join(
-                part
-                for part in (
-                    f"missing {', '.join(missing)}" if missing else "",
-                    f"unexpected {', '.join(extra)}" if extra else "",
-                )
-                if part
-            )
-            raise _fail(path, "tensor-entry", f"entry keys are wrong ({detail})", name)
-        dtype_name = entry["dtype"]
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            known = ", ".join(DTYPES)
-            raise _fail(path, "dtype", f"unknown dtype {dtype_name!r} (known: {known})", name)
-        shape = _int_list(entry["shape"])
-        if shape is None or any(d < 0 for d in shape):
-            raise _fail(
-                path,
-                "shape",
-                f"shape {entry['shape']!r} is not a list of non-negative integers",
-                name,
-            )
-        offsets = _int_list(entry["data_offsets"])
-        if offsets is None or len(offsets) != 2 or offsets[0] < 0 or offsets[1] < 0:
-            raise _fail(
-                path,
-                "offsets",
-                f"data_offsets {entry['data_offsets']!r} is not a pair of non-negative integers",
-                name,
-            )
-        begin, end = offsets
-        if begin > end:
-            raise _fail(
-                path, "offsets", f"data_offsets [{begin}, {end}] end before they begin", name
-            )
-        if begin > U64_MAX or end > U64_MAX:
-            raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
-        count = _bounded_numel(shape)
-        bits = count * DTYPES[dtype_name].bits
-        if count > U64_MAX or bits > U64_MAX:
-            raise _fail(
-                path, "overflow", f"shape {shape} has more elements than 64 bits can count", name
-            )
-        if bits % 8:
-            raise _fail(
-                path,
-                "byte-size",
-                f"{dtype_name} shape {shape} holds {bits} bits, which is not a whole number of "
-                "bytes",
-                name,
-            )
-        if end - begin != bits // 8:
-            raise _fail(
-                path,
-                "byte-size",
-                f"data_offsets span {end - begin} bytes but {dtype_name} shape {shape} needs "
-                f"{bits // 8}",
-                name,
-            )
-        infos.append(TensorInfo(name, dtype_name, tuple(shape), begin, end))
-
-    # Order by (begin, end) so empty tensors sit before a non-empty one at the same offset.
-    infos.sort(key=lambda t: (t.begin, t.end))
     position = 0
     for info in infos:
         if info.begin > position:
@@ -299,6 +267,28 @@ def parse_header(
             "truncated",
             f"header describes {expected} bytes but the file has {file_size}: it is truncated",
         )
+
+
+def parse_header(
+    raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
+) -> Header:
+    """Validate the JSON header bytes of a file of ``file_size`` bytes.
+
+    ``raw`` is exactly the ``header_size`` bytes after the 8-byte length prefix. Raises a
+    :class:`FormatError` for the first rule the header breaks.
+    """
+    decoded = _decode_json(raw, path)
+    if not isinstance(decoded, dict):
+        raise _fail(path, "header-object", "header JSON is not an object")
+    metadata: dict[str, str] | None = None
+    infos: list[TensorInfo] = []
+    for name, entry in decoded.items():
+        if name == "__metadata__":
+            metadata = _metadata(entry, path)
+        else:
+            infos.append(_tensor(name, entry, path))
+    infos.sort(key=lambda t: (t.begin, t.end))
+    _check_layout(infos, header_size, file_size, path)
     return Header(
         path=path,
         header_size=header_size,

@@ -1,4 +1,4 @@
-"""The Python API: ``remap``, ``compile``, ``iter_tensors``, ``load_mapping``, ``presets``."""
+"""The Python API: remap, compile, iter_tensors, invert, load_mapping, presets, verify."""
 
 from __future__ import annotations
 
@@ -11,21 +11,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightmap._checkpoint import Checkpoint
-from weightmap._compile import compile_plan
-from weightmap._execute import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
-from weightmap._inplace import rewrite_inplace
-from weightmap._mapping import Mapping as RuleMapping
-from weightmap._mapping import load_mapping as _load_mapping
-from weightmap._mapping import load_preset, preset_names
-from weightmap._plan import Plan
-from weightmap._reference import evaluate
+from weightmap.compiler.compile import compile_plan
+from weightmap.compiler.inverse import invert
 from weightmap.errors import ExecutionError, WeightmapError
+from weightmap.execute.inplace import rewrite_inplace
+from weightmap.execute.memory import iter_outputs
+from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.writer import CheckpointWriter
+from weightmap.language.mapping import Mapping as RuleMapping
+from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
+from weightmap.plan.plan import Plan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Result", "compile", "iter_tensors", "load_mapping", "presets", "remap", "verify"]
+__all__ = [
+    "Result",
+    "compile",
+    "invert",
+    "iter_tensors",
+    "load_mapping",
+    "presets",
+    "remap",
+    "verify",
+]
 
 PathLike = str | os.PathLike[str]
 ProgressCallback = Callable[[int, int], None]
@@ -59,31 +69,9 @@ class Result:
         )
 
 
-def load_mapping(source: PathLike | RuleMapping, *, name: str | None = None) -> RuleMapping:
-    """Load a mapping from a file path or from rule text (anything containing a newline).
-
-    >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"\\n')
-    """
-    if isinstance(source, RuleMapping):
-        return source
-    return _load_mapping(source if isinstance(source, str) else Path(source), name=name)
-
-
 def presets() -> list[str]:
     """Names of the presets shipped in ``mappings/``."""
     return list(preset_names())
-
-
-def _resolve(preset: str | None, mapping: PathLike | RuleMapping | None) -> RuleMapping:
-    if (preset is None) == (mapping is None):
-        raise ValueError(
-            "give exactly one of preset= (a name from weightmap.presets()) or mapping= "
-            "(a file path or rule text)"
-        )
-    if preset is not None:
-        return load_preset(preset)
-    assert mapping is not None
-    return load_mapping(mapping)
 
 
 def compile(
@@ -100,7 +88,7 @@ def compile(
     >>> plan = compile("examples/eagle3-speculators", preset="eagle3-sglang")
     >>> print(plan.explain())                                   # doctest: +SKIP
     """
-    rules = _resolve(preset, mapping)
+    rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
         return compile_plan(rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}))
     with Checkpoint.open(checkpoint) as ckpt:
@@ -173,14 +161,12 @@ def remap(
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
     """
-    if (preset is None) == (mapping is None):
-        _resolve(preset, mapping)  # raises the message that says which to give
+    start = time.perf_counter()
+    rules = resolve_mapping(preset, mapping)
     if inplace and out is not None:
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
-    start = time.perf_counter()
-    rules = _resolve(preset, mapping)
     with Checkpoint.open(checkpoint) as ckpt:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
         if dry_run:
@@ -195,36 +181,52 @@ def remap(
                 seconds=time.perf_counter() - start,
             )
         assert out is not None
-        total = sum(s.nbytes for s in plan.output_specs())
-        tick, close = _progress_fn(progress, total)
-        try:
-            writer, stats = execute(
-                plan,
-                ckpt,
-                out,
-                max_shard_size=max_shard_size,
-                overwrite=overwrite,
-                workers=workers,
-                chunk_bytes=chunk_bytes,
-                checksum=verify,
-                progress=tick,
-            )
-        finally:
-            close()
+        writer, stats = _write(
+            plan, ckpt, out, progress, max_shard_size, overwrite, workers, chunk_bytes, verify
+        )
     dest = Path(out)
-    paths = tuple(dest / s.filename for s in writer.shards)
     if verify:
         _verify(plan, dest, stats)
     return Result(
         plan=plan,
         dest=dest,
-        paths=paths,
+        paths=tuple(dest / s.filename for s in writer.shards),
         bytes_written=stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
     )
+
+
+def _write(
+    plan: Plan,
+    ckpt: Checkpoint,
+    out: PathLike,
+    progress: bool | ProgressCallback | None,
+    max_shard_size: int | str,
+    overwrite: bool,
+    workers: int | None,
+    chunk_bytes: int,
+    checksum: bool,
+) -> tuple[CheckpointWriter, ExecutionStats]:
+    """Run the streaming executor with the progress display the caller asked for."""
+    total = sum(s.nbytes for s in plan.output_specs())
+    tick, close = _progress_fn(progress, total)
+    try:
+        return execute(
+            plan,
+            ckpt,
+            out,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            workers=workers,
+            chunk_bytes=chunk_bytes,
+            checksum=checksum,
+            progress=tick,
+        )
+    finally:
+        close()
 
 
 def _verify(plan: Plan, dest: Path, stats: ExecutionStats) -> None:
@@ -288,20 +290,11 @@ def iter_tensors(
 
     The whole plan is compiled (and every problem reported) before the first tensor is yielded.
     """
-    rules = _resolve(preset, mapping)
+    rules = resolve_mapping(preset, mapping)
     ckpt = Checkpoint.open(checkpoint)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
     except WeightmapError:
         ckpt.close()
         raise
-    return _iterate(plan, ckpt)
-
-
-def _iterate(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        for out in plan.outputs:
-            t = evaluate(out.node, ckpt.view, out.name)
-            yield out.name, t if t.is_contiguous() else t.contiguous()
-    finally:
-        ckpt.close()
+    return iter_outputs(plan, ckpt)

@@ -15,13 +15,18 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from weightmap import _ast as A
-from weightmap._configedit import apply_config_block
-from weightmap._dtypes import TensorSpec
-from weightmap._expr import (
-    MAX_INT_BITS,
+from weightmap.compiler.configedit import apply_config_block
+from weightmap.compiler.group import build_group, members_of
+from weightmap.compiler.ops import Match, build_simple, dtype_known
+from weightmap.compiler.pattern import Alternative, Matcher, compile_pattern
+from weightmap.compiler.unmatched import compact_names
+from weightmap.errors import CompileError, LocatedProblem, MappingError, Problem
+from weightmap.format.dtypes import TensorSpec
+from weightmap.format.text import is_utf8, json_problem
+from weightmap.language import ast as A
+from weightmap.language.expr import (
     EvalError,
     Scope,
     compile_expr,
@@ -29,43 +34,15 @@ from weightmap._expr import (
     resolve_dtype,
     truth,
 )
-from weightmap._group import build_group, members_of
-from weightmap._ops import Match, RuleProblem, build_simple, dtype_known
-from weightmap._pattern import Alternative, Matcher, compile_pattern
-from weightmap._plan import Dropped, Node, OutputTensor, Plan, Source
-from weightmap._unmatched import compact_names
-from weightmap.errors import MappingError
+from weightmap.language.mapping import Mapping
+from weightmap.plan.nodes import Node, Source
+from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
-if TYPE_CHECKING:
-    from weightmap._mapping import Mapping
-
-__all__ = ["CompileError", "Problem", "compile_plan"]
+__all__ = ["compile_plan"]
 
 MAX_NAME_CHARS = 1024  # far beyond any real tensor name; keeps headers sane
 PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One compile error at a location."""
-
-    loc: A.Loc
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.loc}: {self.message}"
-
-
-class CompileError(MappingError):
-    """Every problem found while compiling a mapping; ``problems`` lists them in order."""
-
-    def __init__(self, problems: Sequence[Problem], mapping_name: str) -> None:
-        self.problems = tuple(problems)
-        n = len(self.problems)
-        head = f"mapping {mapping_name!r} cannot be applied ({n} problem{'s' * (n != 1)}):"
-        super().__init__("\n".join([head, *(f"  {p}" for p in self.problems)]))
 
 
 @dataclass
@@ -95,6 +72,16 @@ class _Compiler:
         elif n == PER_RULE_LIMIT + 1:
             self.problems.append(Problem(loc, "... more problems like these (first 20 shown)"))
 
+    def check_unique_inputs(self) -> None:
+        seen: set[str] = set()
+        for spec in self.inputs:
+            if spec.name in seen:
+                self.report(
+                    A.Loc(self.mapping.name, 1, 1),
+                    f"input `{spec.name}` appears twice in the headers",
+                )
+            seen.add(spec.name)
+
     def exists(self, pattern: A.Pattern) -> bool:
         if pattern.text not in self._exists:
             rx = compile_pattern(pattern)
@@ -111,7 +98,7 @@ class _Compiler:
                 self.report(
                     A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})"
                 )
-            elif (why := _not_json(value)) is not None:
+            elif (why := json_problem(value)) is not None:
                 # Checked first: repr() of a 5000-digit int raises ValueError.
                 self.report(self.mapping.param_locs[name], f"param {name!r}: {why}")
             elif type(value) is not type(values[name]) and values[name] is not None:
@@ -249,16 +236,20 @@ class _Compiler:
                     )
 
 
-class _FilterError(Exception):
+class _FilterError(LocatedProblem):
+    """A rule's ``where`` failed while routing; ``rule`` says which, so it is reported once."""
+
+    loc: A.Loc
+
     def __init__(self, rule: int, loc: A.Loc, message: str) -> None:
-        super().__init__(message)
-        self.rule, self.loc, self.message = rule, loc, message
+        super().__init__(message, loc)
+        self.rule = rule
 
 
 def compile_plan(
     mapping: Mapping,
     inputs: Sequence[TensorSpec],
-    config: dict[str, Any] | None,
+    config: dict[str, Any] | None = None,
     *,
     params: dict[str, Any] | None = None,
 ) -> Plan:
@@ -267,7 +258,7 @@ def compile_plan(
     Never reads tensor data. Raises :class:`CompileError` (a MappingError) listing every
     problem with its file:line:col.
 
-    >>> from weightmap._mapping import load_mapping
+    >>> from weightmap.language.mapping import load_mapping
     >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')
     >>> compile_plan(m, [TensorSpec("a.w", "F32", (2,))], None).outputs[0].name
     'b.w'
@@ -283,34 +274,61 @@ def compile_plan(
             gc.enable()
 
 
+def _check_arguments(params: Any, config: Any) -> None:
+    if params is not None and not isinstance(params, dict):
+        raise MappingError(f"params must be a dict of name to value, not {type(params).__name__}")
+    if config is not None and (not isinstance(config, dict) or json_problem(config) is not None):
+        why = "is not an object" if not isinstance(config, dict) else json_problem(config)
+        raise MappingError(f"the checkpoint's config {why}")
+
+
 def _compile(
     mapping: Mapping,
     inputs: Sequence[TensorSpec],
     config: dict[str, Any] | None,
     params: dict[str, Any] | None,
 ) -> Plan:
-    if params is not None and not isinstance(params, dict):
-        raise MappingError(f"params must be a dict of name to value, not {type(params).__name__}")
-    if config is not None and (not isinstance(config, dict) or _not_json(config) is not None):
-        why = "is not an object" if not isinstance(config, dict) else _not_json(config)
-        raise MappingError(f"the checkpoint's config {why}")
+    _check_arguments(params, config)
     c = _Compiler(mapping, inputs, config)
-    seen: set[str] = set()
-    for spec in c.inputs:
-        if spec.name in seen:
-            c.report(A.Loc(mapping.name, 1, 1), f"input `{spec.name}` appears twice in the headers")
-        seen.add(spec.name)
+    c.check_unique_inputs()
     values = c.params(params)
     scope = Scope(values, config, {}, None, c.exists)
     flat = _Flat()
     c.flatten(mapping.program.stmts, scope, flat)
     c.checks(flat.checks, scope)
     if c.failed_require:
+        # Rule errors against a checkpoint the mapping refuses would only be noise.
         raise CompileError(c.problems, mapping.name)
     rules = [r for r in flat.rules if c.check_rule(r)]
     per_rule, leftovers = c.route(rules, scope)
     c.missing(rules, per_rule)
+    outputs, dropped = _build_outputs(c, rules, per_rule, scope, values)
+    _apply_unmatched(c, flat.unmatched, leftovers, outputs, dropped)
+    out_config = _edit_config(c, flat.configs, config, scope)
+    outputs.sort(key=lambda x: (x[0], x[1].name))
+    _check_names([o for _i, o in outputs], c)
+    if c.problems:
+        raise CompileError(c.problems, mapping.name)
+    return Plan.build(
+        mapping_name=mapping.name,
+        inputs=c.inputs,
+        outputs=tuple(o for _i, o in outputs),
+        dropped=tuple(dropped),
+        warnings=tuple(c.warnings),
+        params=values,
+        config=out_config,
+        input_config=config,
+    )
 
+
+def _build_outputs(
+    c: _Compiler,
+    rules: list[A.Rule],
+    per_rule: list[list[Match]],
+    scope: Scope,
+    values: dict[str, Any],
+) -> tuple[list[tuple[int, OutputTensor]], list[Dropped]]:
+    """Each rule applied to its matches: outputs keyed by input position, and drops."""
     position = {s.name: i for i, s in enumerate(c.inputs)}
     outputs: list[tuple[int, OutputTensor]] = []
     dropped: list[Dropped] = []
@@ -328,27 +346,30 @@ def _compile(
 
         if rule.op in ("merge", "stack"):
             try:
-                members = members_of(rule, set(values))
-            except RuleProblem as p:
+                build_group(rule, members_of(rule, set(values)), matches, scope, emit, report)
+            except LocatedProblem as p:  # the member scheme, or an output name's template
                 report(p.loc, p.message)
-                continue
-            try:
-                build_group(rule, members, matches, scope, emit, report)
-            except EvalError as err:  # an output name's template, e.g. an unknown {name}
-                report(err.loc, err.message)
             continue
         for m in matches:
             try:
                 gone = build_simple(rule, m, scope, emit)
-            except RuleProblem as p:
+            except LocatedProblem as p:  # shapes, dims, or an output name's template
                 report(p.loc, p.message)
-            except EvalError as err:  # an output name's template, e.g. an unknown {name}
-                report(err.loc, err.message)
             else:
                 if gone is not None:
                     dropped.append(gone)
-    policy = flat.unmatched.policy if flat.unmatched else "error"
-    where = flat.unmatched.loc if flat.unmatched else A.Loc(mapping.name, 1, 1)
+    return outputs, dropped
+
+
+def _apply_unmatched(
+    c: _Compiler,
+    unmatched: A.Unmatched | None,
+    leftovers: list[int],
+    outputs: list[tuple[int, OutputTensor]],
+    dropped: list[Dropped],
+) -> None:
+    policy = unmatched.policy if unmatched else "error"
+    where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)
     if leftovers and policy == "error":
         names = [c.inputs[i].name for i in leftovers]
         listing = "\n    ".join(compact_names(names))
@@ -360,72 +381,27 @@ def _compile(
     for i in leftovers:
         spec = c.inputs[i]
         if policy == "keep":
-            node = _source(spec)
-            outputs.append((i, OutputTensor(name=spec.name, node=node, origin=where)))
+            outputs.append((i, OutputTensor(name=spec.name, node=_source(spec), origin=where)))
         elif policy == "drop":
             dropped.append(Dropped(name=spec.name, origin=where))
 
+
+def _edit_config(
+    c: _Compiler, blocks: list[A.ConfigBlock], config: dict[str, Any] | None, scope: Scope
+) -> dict[str, Any] | None:
     out_config = copy.deepcopy(config) if config is not None else None
-    for block in flat.configs:
+    for block in blocks:
         if out_config is None:
             c.report(block.loc, "the mapping edits config.json but the checkpoint has none")
             break
         apply_config_block(block, out_config, scope, c.report)
-    if out_config is not None and flat.configs and (why := _not_json(out_config)) is not None:
-        c.report(flat.configs[-1].loc, f"the edited config.json {why}")
-    outputs.sort(key=lambda x: (x[0], x[1].name))
-    _check_names([o for _i, o in outputs], c)
-    if c.problems:
-        raise CompileError(c.problems, mapping.name)
+    if out_config is not None and blocks and (why := json_problem(out_config)) is not None:
+        c.report(blocks[-1].loc, f"the edited config.json {why}")
     try:
         json.dumps(out_config)
     except (TypeError, ValueError) as err:  # pragma: no cover - configs come from JSON
         raise MappingError(f"the output config is not JSON: {err}") from None
-    return Plan.build(
-        mapping_name=mapping.name,
-        inputs=c.inputs,
-        outputs=tuple(o for _i, o in outputs),
-        dropped=tuple(dropped),
-        warnings=tuple(c.warnings),
-        params=values,
-        config=out_config,
-        input_config=config,
-    )
-
-
-_MAX_VALUE_DEPTH = 64
-
-
-def _not_json(value: Any) -> str | None:
-    """Why a caller's value cannot be a mapping value (JSON, bounded), or None if it can.
-
-    Params flow into names, configs and plans that are written as UTF-8 JSON; anything else
-    (objects, bytes, sets, 100k-digit ints, lone surrogates, deep nesting) would fail there.
-    """
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > _MAX_VALUE_DEPTH:
-            return f"nests deeper than {_MAX_VALUE_DEPTH} levels"
-        if v is None or isinstance(v, (bool, float)):
-            continue
-        if isinstance(v, int):
-            if v.bit_length() > MAX_INT_BITS:
-                return f"integer exceeds {MAX_INT_BITS} bits"
-        elif isinstance(v, str):
-            if _LONE_SURROGATE.search(v):
-                return "string holds a lone surrogate, which is not UTF-8"
-        elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if not isinstance(k, str):
-                    return f"object key {k!r} is not a string"
-                stack.append((k, depth + 1))
-                stack.append((x, depth + 1))
-        else:
-            return f"{type(v).__name__} is not a JSON value"
-    return None
+    return out_config
 
 
 def _source(spec: TensorSpec) -> Node:
@@ -456,7 +432,7 @@ def _bad_name(name: str) -> str | None:
         return "is reserved by safetensors"
     if _CONTROL.search(name):
         return "contains control characters"
-    if _LONE_SURROGATE.search(name):
+    if not is_utf8(name):
         return "contains a lone surrogate, which is not UTF-8"
     # Names are module paths to every loader (`model.layers.0.w`): whitespace, path
     # separators and empty segments never name a parameter, and look like path tricks.

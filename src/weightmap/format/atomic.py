@@ -1,0 +1,107 @@
+"""Atomic commits: temporary siblings, fsync, and renames that never clobber by accident.
+
+Everything weightmap writes goes first into a temporary sibling named
+``.<dest>.weightmap-tmp-<pid>-<token>`` (recognisable, so a later run or ``weightmap clean`` can
+find what a killed run left behind), and is moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+from pathlib import Path
+
+__all__ = [
+    "RENAME_EXCHANGE",
+    "RENAME_NOREPLACE",
+    "TMP_MARKER",
+    "fsync_dir",
+    "is_within",
+    "remove_path",
+    "renameat2",
+    "stale_temporaries",
+]
+
+TMP_MARKER = ".weightmap-tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
+    """Temporary outputs in ``folder`` left by runs that no longer exist.
+
+    A name carries its writer's pid (``.<dest>.weightmap-tmp-<pid>-<token>``): one whose
+    process is alive belongs to a running conversion and is never listed. Leftovers of an
+    overwrite's swap (``-old-``) and of small-file replacements are always stale.
+    """
+    prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
+    found = []
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        name = entry.name
+        if not name.startswith(prefix) or TMP_MARKER.rstrip("-") not in name:
+            continue
+        tail = name.split(TMP_MARKER, 1)[1] if TMP_MARKER in name else ""
+        pid_text = tail.split("-", 1)[0]
+        if pid_text.isdigit() and _pid_alive(int(pid_text)):
+            continue
+        found.append(entry)
+    return sorted(found)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, link or folder tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2; False where unavailable (other systems, old kernels, some filesystems)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename or a new file in it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_within(child: Path, parent: Path) -> bool:
+    try:
+        child.resolve().relative_to(parent.resolve())
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,143 @@
+"""Syntax errors a person can act on: the line, a caret under the spot, and a hint.
+
+Every syntax error becomes a :class:`MappingSyntaxError` whose message reads::
+
+    file:line:col: what is wrong
+        the offending source line
+        ^
+    hint: what to write instead
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import NoReturn, get_args
+
+from lark import Lark
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from weightmap.errors import MappingSyntaxError
+from weightmap.language import ast as A
+from weightmap.language import grammar
+
+__all__ = ["CONFIG_KEYWORDS", "STATEMENT_KEYWORDS", "lark_error", "syntax_error"]
+
+STATEMENT_KEYWORDS = [
+    *get_args(A.RuleOp),
+    "require",
+    "warn",
+    "param",
+    "include",
+    "unmatched",
+    "config",
+    "if",
+]
+CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def syntax_error(text: str, loc: A.Loc, message: str, hint: str | None = None) -> NoReturn:
+    """Raise a MappingSyntaxError showing ``loc``'s line with a caret under its column."""
+    lines = text.splitlines()
+    out = [f"{loc}: {message}"]
+    if 1 <= loc.line <= len(lines):
+        src = lines[loc.line - 1].replace("\t", " ")
+        out += [f"    {src}", "    " + " " * (max(loc.col, 1) - 1) + "^"]
+    if hint:
+        out.append(f"hint: {hint}")
+    raise MappingSyntaxError("\n".join(out))
+
+
+_TERMINAL_TEXT = {
+    "STRING": "a quoted string",
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "COMP_OP": "a comparison",
+    "ADD_OP": "+ or -",
+    "MUL_OP": "* // or %",
+    "POLICY": "error, keep or drop",
+    "OPT": "?",
+    "$END": "the end of the file",
+}
+
+
+def _describe_expected(parser: Lark, expected: set[str]) -> str:
+    words = set()
+    for name in expected:
+        if name in _TERMINAL_TEXT:
+            words.add(_TERMINAL_TEXT[name])
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:  # pragma: no cover - lark always knows its own terminals
+            words.add(name)
+            continue
+        words.add(f"`{pattern.value}`" if pattern.type == "str" else name)
+    if len(words) > 8:
+        return ""
+    return "; expected " + ", ".join(sorted(words))
+
+
+def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
+    rest = text[pos:]
+    if rest.startswith("=>"):
+        return "the arrow is written `->`"
+    if rest.startswith("'"):
+        return 'strings are written in double quotes: "..."'
+    if rest.startswith('"') and '"' not in rest.split("\n", 1)[0][1:]:
+        return "this string is not closed on its line"
+    if rest.startswith("=") and "COMP_OP" in expected:
+        return "compare with `==`"
+    if "STRING" in expected and _IDENT.match(word or ""):
+        return f'tensor names, patterns and messages are quoted: "{word}"'
+    keywords = [k for k in STATEMENT_KEYWORDS + list(CONFIG_KEYWORDS) if k.upper() in expected]
+    if word and keywords:
+        close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean `{close[0]}`?"
+    recent = text[:pos].rsplit("\n", 3)[-3:]
+    if "LBRACE" in expected and any(re.search(r"\bdelete\b.*\bif\b", x) for x in recent):
+        return "a conditional delete is written `delete PATH when CONDITION`"
+    if "RBRACE" in expected and not word:
+        return "a `{` block is not closed"
+    # A misspelt keyword is often taken for a name, so the error comes one word later.
+    before = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[:pos].rsplit("\n", 1)[-1])
+    if before:
+        close = difflib.get_close_matches(before[-1], [*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS], 1)
+        if close and close[0] != before[-1]:
+            return f"did you mean `{close[0]}`?"
+    return None
+
+
+def lark_error(text: str, file: str, exc: UnexpectedInput) -> NoReturn:
+    parser = grammar.parser()
+    line, col = max(exc.line, 1), max(exc.column, 1)
+    pos = exc.pos_in_stream if exc.pos_in_stream is not None else len(text)
+    expected: set[str] = set()
+    if isinstance(exc, UnexpectedToken):
+        expected = set(exc.expected)
+        tok = exc.token
+        word = str(tok) if tok.type != "$END" else ""
+        what = "end of file" if tok.type == "$END" else f"`{tok}`"
+        if tok.type == "$END":
+            body = text.rstrip()
+            line = body.count("\n") + 1
+            col = len(body.rsplit("\n", 1)[-1]) + 1
+            pos = len(text)
+    elif isinstance(exc, UnexpectedCharacters):
+        expected = set(exc.allowed or ())
+        word = text[pos : pos + 1]
+        what = f"character {word!r}"
+    else:  # UnexpectedEOF
+        expected = set(getattr(exc, "expected", ()) or ())
+        word, what = "", "end of file"
+    loc = A.Loc(file, line, col)
+    if line == 1 and col == 1 and not text.lstrip().startswith("weightmap"):
+        syntax_error(
+            text, loc, "a mapping must start with its language version", "first line: weightmap 1"
+        )
+    message = f"unexpected {what}{_describe_expected(parser, expected)}"
+    syntax_error(text, loc, message, _hint(text, pos, word, expected))
