@@ -38,7 +38,8 @@ class FormatError(WeightmapError, ValueError):
     """A safetensors file breaks a rule of the format.
 
     ``path`` is the offending file, ``tensor`` the tensor concerned (if any) and ``rule`` a short
-    identifier of the broken rule (stable, for tests and tools).
+    identifier of the broken rule (stable, for tests and tools). ``detail`` is the message alone,
+    without the path, tensor and rule around it.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class FormatError(WeightmapError, ValueError):
         self.path = None if path is None else str(path)
         self.tensor = tensor
         self.rule = rule
+        self.detail = message
         where = f"{self.path}: " if self.path else ""
         what = f"tensor {tensor!r}: " if tensor is not None else ""
         super().__init__(f"{where}{what}{message} [{rule}]")

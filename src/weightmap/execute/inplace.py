@@ -9,24 +9,49 @@ written to a journal, fsynced and renamed into place; only then are the headers 
 and the journal is removed last. A checkpoint whose folder holds a journal is refused by
 :meth:`Checkpoint.open` until :func:`recover` (``weightmap clean``) replays the journal, which
 is idempotent, so no reader of ours ever sees a mixed header.
+
+The journal is untrusted input: a downloaded folder may carry one written by anybody. Before
+:func:`recover` writes a byte it checks the whole journal (its shape, every name confined to the
+checkpoint's own shard files, every header a valid header for its file as it is on disk, index
+and config valid JSON objects that agree with the headers); a journal that fails any check is
+refused with the reason, and nothing is written.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightmap.errors import ExecutionError, PlanError
+from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanError
 from weightmap.format.atomic import TMP_MARKER, fsync_dir
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.checkpoint import Checkpoint, resolve_shard
+from weightmap.format.header import MAX_HEADER_SIZE, parse_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
+from weightmap.format.text import read_json_file
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
-__all__ = ["inplace_headers", "recover", "rewrite_inplace"]
+__all__ = ["Journal", "inplace_headers", "read_journal", "recover", "rewrite_inplace"]
+
+# A journal holds one header per shard; headers are capped at 100 MB each by the format, and
+# base64 grows them by a third. Beyond this it cannot be one we wrote.
+_MAX_JOURNAL_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class Journal:
+    """A validated journal: each shard's new header (JSON bytes, exactly the old header's size,
+    by the shard's resolved path), and the new index and config text (None: unchanged)."""
+
+    files: dict[Path, bytes]
+    index: str | None
+    config: str | None
 
 
 def _replace_small(path: Path, data: bytes) -> None:
@@ -107,14 +132,13 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             raise ExecutionError(f"{path}: file changed since its header was read")
     _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
     fsync_dir(root)
-    _replay(root, journal)
+    _replay(root, Journal(dict(headers), journal["index"], journal["config"]))
     return list(headers)
 
 
-def _replay(root: Path, journal: dict[str, Any]) -> None:
-    for name, b64 in journal["files"].items():
-        data = base64.b64decode(b64)
-        fd = os.open(root / name, os.O_WRONLY)
+def _replay(root: Path, journal: Journal) -> None:
+    for path, data in journal.files.items():
+        fd = os.open(path, os.O_WRONLY)
         try:
             written = 0
             while written < len(data):
@@ -122,27 +146,137 @@ def _replay(root: Path, journal: dict[str, Any]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    if journal["index"] is not None:
-        _replace_small(root / INDEX_NAME, journal["index"].encode())
-    if journal["config"] is not None:
-        _replace_small(root / CONFIG_NAME, journal["config"].encode("utf-8"))
+    if journal.index is not None:
+        _replace_small(root / INDEX_NAME, journal.index.encode())
+    if journal.config is not None:
+        _replace_small(root / CONFIG_NAME, journal.config.encode("utf-8"))
     (root / JOURNAL_NAME).unlink()
     fsync_dir(root)
 
 
-def recover(root: str | os.PathLike[str]) -> bool:
-    """Finish an interrupted in-place rewrite in ``root``; True if there was one to finish."""
-    folder = Path(root)
-    path = folder / JOURNAL_NAME
-    if not path.exists():
-        return False
+def _refuse(journal_path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"refusing to replay this journal: {why}. Nothing was written. weightmap writes a "
+        "journal only during `convert --inplace`; if none ran here, the file did not come from "
+        f"weightmap: delete {journal_path.name} and check the folder's files",
+        path=journal_path,
+        rule="journal",
+    )
+
+
+def _shard_header_size(path: Path, journal_path: Path) -> tuple[int, int]:
+    """The header size recorded in a shard's first 8 bytes, and the shard's size."""
     try:
-        journal = json.loads(path.read_text())
-        _ = journal["files"], journal["index"], journal["config"]
-    except (ValueError, KeyError, TypeError):
-        # The journal is renamed into place only once complete, so a broken one means the
-        # rewrite never started: nothing was touched.
-        path.unlink()
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+    except OSError as err:
+        raise _refuse(journal_path, f"cannot read shard {path.name} ({err.strerror})") from None
+    if len(prefix) < 8:
+        raise _refuse(journal_path, f"shard {path.name} is shorter than a header")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER_SIZE or 8 + n > size:
+        raise _refuse(journal_path, f"shard {path.name} has no valid header length")
+    return n, size
+
+
+def _journal_header(
+    root: Path, name: object, b64: object, journal_path: Path
+) -> tuple[Path, bytes]:
+    """One ``files`` entry: a shard of this checkpoint and a valid header of the right size."""
+    try:
+        path = resolve_shard(root, name, journal_path, what="the journal")
+    except CheckpointError as err:
+        raise _refuse(journal_path, err.detail) from None
+    shown = str(name)[:80]
+    if not str(name).endswith(".safetensors") or not path.is_file():
+        raise _refuse(journal_path, f"{shown!r} is not a safetensors shard of this checkpoint")
+    if not isinstance(b64, str):
+        raise _refuse(journal_path, f"the header for {shown!r} is not a base64 string")
+    try:
+        data = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise _refuse(journal_path, f"the header for {shown!r} is not valid base64") from None
+    size, file_size = _shard_header_size(path, journal_path)
+    if len(data) != size:
+        raise _refuse(
+            journal_path,
+            f"the header for {shown!r} has {len(data)} bytes but the shard's header has {size}",
+        )
+    try:
+        parse_header(data, header_size=size, file_size=file_size, path=str(path))
+    except FormatError as err:
+        raise _refuse(
+            journal_path, f"the header for {shown!r} is not valid ({err.detail}) [{err.rule}]"
+        ) from None
+    return path.resolve(), data
+
+
+def _journal_text(value: object, what: str, journal_path: Path) -> str | None:
+    """The new index or config: null, or the text of a JSON object."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _refuse(journal_path, f"its {what} is not text")
+    try:
+        doc = json.loads(value)
+    except (ValueError, RecursionError):
+        raise _refuse(journal_path, f"its {what} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise _refuse(journal_path, f"its {what} is not a JSON object")
+    return value
+
+
+def _check_index(index: str, headers: dict[Path, bytes], journal_path: Path) -> None:
+    """The new index must list exactly the tensors of the new headers, each in its shard."""
+    weight_map = json.loads(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise _refuse(journal_path, "its index has no weight_map object")
+    expected: dict[str, str] = {}
+    for path, data in headers.items():
+        for name in json.loads(data):
+            if name != "__metadata__":
+                expected[name] = path.name
+    listed = {k: v for k, v in weight_map.items() if isinstance(v, str)}
+    if listed != expected:
+        raise _refuse(journal_path, "its index does not list the tensors of its headers")
+
+
+def read_journal(root: Path) -> Journal:
+    """Read and validate ``root``'s journal; CheckpointError (rule ``journal``) if it is wrong."""
+    journal_path = root / JOURNAL_NAME
+    if journal_path.is_symlink() or not journal_path.is_file():
+        raise _refuse(journal_path, "it is not a regular file")
+    try:
+        doc = read_json_file(journal_path, "the journal", max_size=_MAX_JOURNAL_BYTES)
+    except CheckpointError as err:
+        raise _refuse(journal_path, err.detail) from None
+    if not isinstance(doc, dict) or set(doc) != {"files", "index", "config"}:
+        raise _refuse(journal_path, 'it is not an object with "files", "index" and "config"')
+    files = doc["files"]
+    if not isinstance(files, dict) or not files:
+        raise _refuse(journal_path, '"files" is not a non-empty object of shard headers')
+    headers: dict[Path, bytes] = {}
+    for name, b64 in files.items():
+        path, data = _journal_header(root, name, b64, journal_path)
+        if path in headers:
+            raise _refuse(journal_path, f"shard {name!r} appears twice")
+        headers[path] = data
+    index = _journal_text(doc["index"], "index", journal_path)
+    config = _journal_text(doc["config"], "config", journal_path)
+    if index is not None:
+        _check_index(index, headers, journal_path)
+    return Journal(headers, index, config)
+
+
+def recover(root: str | os.PathLike[str]) -> bool:
+    """Finish an interrupted in-place rewrite in ``root``; True if there was one to finish.
+
+    The journal is validated in full first (see the module docstring); a journal that fails is
+    refused with a :class:`~weightmap.errors.CheckpointError` and nothing is written.
+    """
+    folder = Path(root)
+    if not (folder / JOURNAL_NAME).exists() and not (folder / JOURNAL_NAME).is_symlink():
         return False
-    _replay(folder, journal)
+    _replay(folder, read_journal(folder))
     return True

@@ -27,7 +27,7 @@ from weightmap.format.text import is_utf8, read_json_file
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "TensorLocation"]
+__all__ = ["Checkpoint", "TensorLocation", "resolve_shard"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,12 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _shard_path(root: Path, name: object, index_path: Path) -> Path:
-    """Resolve a shard name from an index, refusing anything that leaves the folder."""
+def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight_map") -> Path:
+    """Resolve a shard name read from a file (an index, a journal), refusing anything that
+    leaves the folder: separators, ``..``, absolute paths, and links pointing elsewhere.
+
+    ``what`` names where the name came from, for the message.
+    """
     if (
         not isinstance(name, str)
         or not name
@@ -59,9 +63,9 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
         or not is_utf8(name)
     ):
         raise CheckpointError(
-            f"weight_map names shard {name!r}; shards must be plain file names in the "
+            f"{what} names shard {str(name)[:200]!r}; shards must be plain file names in the "
             "checkpoint's folder",
-            path=index_path,
+            path=listed_in,
             rule="shard-name",
         )
     path = root / name
@@ -71,8 +75,8 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
         resolved = path.resolve()
     except OSError as err:  # e.g. a name longer than the file system allows
         raise CheckpointError(
-            f"weight_map names shard {name[:80]!r}: {err.strerror}",
-            path=index_path,
+            f"{what} names shard {name[:80]!r}: {err.strerror}",
+            path=listed_in,
             rule="shard-name",
         ) from None
     real_root = root.resolve()
@@ -82,7 +86,7 @@ def _shard_path(root: Path, name: object, index_path: Path) -> Path:
     if resolved.parent != real_root and not in_cache:
         raise CheckpointError(
             f"shard {name!r} is a link that leaves the checkpoint's folder (to {resolved})",
-            path=index_path,
+            path=listed_in,
             rule="shard-escape",
         )
     return path
@@ -168,9 +172,9 @@ class Checkpoint:
         weight_map: dict[str, Any] = index["weight_map"]
         shard_names: dict[str, Path] = {}
         for shard in weight_map.values():
-            # _shard_path refuses a non-string first: a list or object is not hashable.
+            # resolve_shard refuses a non-string first: a list or object is not hashable.
             if not isinstance(shard, str) or shard not in shard_names:
-                shard_names[shard] = _shard_path(root, shard, index_path)
+                shard_names[shard] = resolve_shard(root, shard, index_path)
         missing = [name for name, p in shard_names.items() if not _is_file(p)]
         if missing:
             raise CheckpointError(

@@ -8,6 +8,7 @@ in ``.wm`` is a file relative to the including file (or to the working directory
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,22 +64,41 @@ class Mapping:
 MAX_INCLUDE_BYTES = 1_000_000
 
 
+_VERSION_LINE = re.compile(r"\A(?:[ \t\r\n]*#[^\n]*\n)*[ \t\r\n]*weightmap[ \t]")
+
+
+def _check_is_mapping(text: str, what: str) -> None:
+    """Refuse a file that is not a mapping before anything could quote it back.
+
+    Syntax errors show the offending line; for a file that is not a mapping at all (an
+    ``include "/proc/self/environ"``, a ``--mapping`` pointing at a key file) that line would
+    be someone's secret in a log. Such files are refused by their first line alone, and the
+    message never contains their content.
+    """
+    if not _VERSION_LINE.match(text):
+        raise MappingError(
+            f"{what}: it is not a weightmap mapping (a mapping's first statement is "
+            "`weightmap 1`); its content is not shown"
+        )
+
+
 def _read_include(path: Path, target: str, loc: A.Loc) -> str:
+    what = f"{loc}: cannot include {target!r}"
     try:
         if not path.is_file():
-            raise MappingError(f"{loc}: cannot include {target!r}: not a regular file")
+            raise MappingError(f"{what}: not a regular file")
         with path.open("rb") as f:
             data = f.read(MAX_INCLUDE_BYTES + 1)
     except OSError as err:
-        raise MappingError(f"{loc}: cannot include {target!r}: {err.strerror}") from None
+        raise MappingError(f"{what}: {err.strerror}") from None
     if len(data) > MAX_INCLUDE_BYTES:
-        raise MappingError(
-            f"{loc}: cannot include {target!r}: larger than {MAX_INCLUDE_BYTES:,} bytes"
-        )
+        raise MappingError(f"{what}: larger than {MAX_INCLUDE_BYTES:,} bytes")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise MappingError(f"{loc}: cannot include {target!r}: not UTF-8 text") from None
+        raise MappingError(f"{what}: not UTF-8 text") from None
+    _check_is_mapping(text, what)
+    return text
 
 
 def _resolve_includes(
@@ -166,6 +186,7 @@ def _read_file(path: Path, name: str | None) -> Mapping:
         raise MappingError(f"cannot read mapping {str(path)!r}: {err.strerror}") from None
     except UnicodeDecodeError:
         raise MappingError(f"cannot read mapping {str(path)!r}: not UTF-8 text") from None
+    _check_is_mapping(text, f"cannot read mapping {str(path)!r}")
     label = name or str(path)
     return from_program(label, text, parse_program(text, label), path.parent)
 
