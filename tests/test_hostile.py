@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import weightmap
-from weightmap import CheckpointError, MappingError
+from weightmap import CheckpointError, MappingSyntaxError
 from weightmap.format.layout import JOURNAL_NAME
 
 EXE = [sys.executable, "-m", "weightmap"]
@@ -137,11 +137,11 @@ def test_a_file_that_is_not_a_mapping_is_never_quoted(tmp_path: Path, how: str) 
     key.write_text(secret + "\n")
     if how == "include":
         text = f'weightmap 1\ninclude "{key}"\n'
-        with pytest.raises(MappingError) as err:
+        with pytest.raises(MappingSyntaxError) as err:
             weightmap.load_mapping(text)
         message = str(err.value)
     elif how == "mapping":
-        with pytest.raises(MappingError) as err:
+        with pytest.raises(MappingSyntaxError) as err:
             weightmap.load_mapping(key)
         message = str(err.value)
     else:

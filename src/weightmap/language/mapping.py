@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightmap.errors import MappingError
+from weightmap.errors import MappingError, MappingSyntaxError
 from weightmap.language import ast as A
 from weightmap.language.expr import (
     TENSOR_NAMES,
@@ -67,18 +67,20 @@ MAX_INCLUDE_BYTES = 1_000_000
 _VERSION_LINE = re.compile(r"\A(?:[ \t\r\n]*#[^\n]*\n)*[ \t\r\n]*weightmap[ \t]")
 
 
-def _check_is_mapping(text: str, what: str) -> None:
+def _check_is_mapping(text: str, file: str, what: str | None = None) -> None:
     """Refuse a file that is not a mapping before anything could quote it back.
 
     Syntax errors show the offending line; for a file that is not a mapping at all (an
     ``include "/proc/self/environ"``, a ``--mapping`` pointing at a key file) that line would
-    be someone's secret in a log. Such files are refused by their first line alone, and the
-    message never contains their content.
+    be someone's secret in a log. Such files are refused by their first line alone, with a
+    syntax error at 1:1 that never contains their content.
     """
     if not _VERSION_LINE.match(text):
-        raise MappingError(
-            f"{what}: it is not a weightmap mapping (a mapping's first statement is "
-            "`weightmap 1`); its content is not shown"
+        where = f"{what}: " if what else ""
+        raise MappingSyntaxError(
+            f"{where}{file}:1:1: a mapping must start with its language version, and this file "
+            "does not: it is not a weightmap mapping (its content is not shown)\n"
+            "hint: first line: weightmap 1"
         )
 
 
@@ -97,7 +99,7 @@ def _read_include(path: Path, target: str, loc: A.Loc) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise MappingError(f"{what}: not UTF-8 text") from None
-    _check_is_mapping(text, what)
+    _check_is_mapping(text, target, f"{loc}: cannot include {target!r}")
     return text
 
 
@@ -186,8 +188,8 @@ def _read_file(path: Path, name: str | None) -> Mapping:
         raise MappingError(f"cannot read mapping {str(path)!r}: {err.strerror}") from None
     except UnicodeDecodeError:
         raise MappingError(f"cannot read mapping {str(path)!r}: not UTF-8 text") from None
-    _check_is_mapping(text, f"cannot read mapping {str(path)!r}")
     label = name or str(path)
+    _check_is_mapping(text, label)
     return from_program(label, text, parse_program(text, label), path.parent)
 
 
