@@ -1,9 +1,10 @@
 """Long-running fuzzer for weightmap's parsers (header, index/config, mapping).
 
-Runs the strategies and oracles of ``tests/test_fuzz.py`` with hypothesis, in chunks, until
-the time is up; prints the cases run per target, every finding and the peak RSS, and exits 1
-on a finding. A finding is any exception other than a WeightmapError, a hang past the
-per-example alarm, or a MemoryError under the address-space cap.
+Runs the strategies of ``tests/strategies.py`` against the oracles of ``tests/test_fuzz.py``
+with hypothesis, in chunks, until the time is up; prints the cases run per target, every
+finding and the peak RSS, and exits 1 on a finding. A finding is any exception other than a
+WeightmapError, a hang past the per-example alarm, or a MemoryError under the address-space
+cap.
 
     python fuzz/fuzz_parsers.py --minutes 12 --target all
 """
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import strategies
 import test_fuzz as tf
 
 TARGETS = ("header", "index", "mapping")
@@ -45,7 +47,7 @@ def build(
     work = folder / "header"
     work.mkdir()
     configs = tf.config_mappings()
-    base_specs, base_config = tf.PROGRAMS[0][1], tf.PROGRAMS[0][2]
+    base_specs, base_config = strategies.PROGRAMS[0][1], strategies.PROGRAMS[0][2]
     return {
         "header": [
             ("bytes", st.binary(max_size=2000), lambda d: tf.header_file_case(d, work)),
@@ -54,11 +56,11 @@ def build(
                 st.tuples(st.integers(0, tf.U64_MAX), st.binary(max_size=400)),
                 lambda t: tf.header_file_case(t[0].to_bytes(8, "little") + t[1], work),
             ),
-            ("mutated", tf.header_files(), lambda d: tf.header_file_case(d, work)),
+            ("mutated", strategies.header_files(), lambda d: tf.header_file_case(d, work)),
         ],
         "index": [
-            ("index", tf.index_docs(), lambda d: tf.index_case(d, sharded)),
-            ("config", tf.config_docs(), lambda d: tf.config_case(d, single, configs)),
+            ("index", strategies.index_docs(), lambda d: tf.index_case(d, sharded)),
+            ("config", strategies.config_docs(), lambda d: tf.config_case(d, single, configs)),
         ],
         "mapping": [
             ("text", st.text(max_size=400), lambda t: tf.mapping_case(t, base_specs, base_config)),
@@ -69,8 +71,8 @@ def build(
                     "weightmap 1\n" + d.decode("utf-8", "surrogateescape"), base_specs, base_config
                 ),
             ),
-            ("mutated", tf.mutated_programs(), lambda c: tf.mapping_case(*c)),
-            ("params", tf.params_cases(), lambda c: tf.mapping_case(*c)),
+            ("mutated", strategies.mutated_programs(), lambda c: tf.mapping_case(*c)),
+            ("params", strategies.params_cases(), lambda c: tf.mapping_case(*c)),
         ],
     }
 

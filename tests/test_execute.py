@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from strategies import cases, src
 from weightmap.errors import CheckpointError, ExecutionError, PlanError
 from weightmap.execute.chunks import chunk_plan
 from weightmap.execute.inplace import recover, rewrite_inplace
@@ -20,13 +21,10 @@ from weightmap.execute.streaming import execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language.ast import Loc
-from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 HERE = Loc("<test>", 1, 1)
-FLOATS = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"]
-INTS = ["I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"]
-DTYPE_CHOICES = [*FLOATS, *INTS, "BOOL"]
 
 
 def plan_of(inputs: dict[str, torch.Tensor], outputs: dict[str, Node], **kw: object) -> Plan:
@@ -42,98 +40,7 @@ def plan_of(inputs: dict[str, torch.Tensor], outputs: dict[str, Node], **kw: obj
     return Plan.build(mapping_name="test", inputs=specs, outputs=outs, **kw)  # type: ignore[arg-type]
 
 
-def src(name: str, t: torch.Tensor) -> Source:
-    code = next(k for k, d in DTYPES.items() if d.torch_name and d.torch() == t.dtype)
-    return Source(name=name, dtype=code, shape=tuple(t.shape))
-
-
 # -- generated plans ---------------------------------------------------------------------------
-
-
-@st.composite
-def tensors(draw: st.DrawFn, name: str) -> torch.Tensor:
-    code = draw(st.sampled_from(DTYPE_CHOICES))
-    dims = st.integers(1, 5) | st.just(0)
-    shape = tuple(draw(st.lists(dims, min_size=0, max_size=3)))
-    n = numel(shape) * DTYPES[code].itemsize
-    if n == 0:
-        return torch.zeros(shape, dtype=DTYPES[code].torch())
-    raw = bytearray(draw(st.binary(min_size=n, max_size=n)))
-    t = torch.frombuffer(raw, dtype=torch.uint8)
-    if code == "BOOL":
-        t = t % 2
-    return t.view(DTYPES[code].torch()).reshape(shape).clone()
-
-
-@st.composite
-def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
-    node = base
-    for _ in range(draw(st.integers(0, depth))):
-        op = draw(st.sampled_from(["slice", "concat", "stack", "permute", "reshape", "cast"]))
-        rank = len(node.shape)
-        if op == "slice" and rank and all(node.shape):
-            dim = draw(st.integers(0, rank - 1))
-            size = node.shape[dim]
-            start = draw(st.integers(0, size - 1))
-            stop = draw(st.integers(start + 1, size))
-            shape = list(node.shape)
-            shape[dim] = stop - start
-            node = Slice(
-                src=node, dim=dim, start=start, stop=stop, dtype=node.dtype, shape=tuple(shape)
-            )
-        elif op == "concat" and rank:
-            dim = draw(st.integers(0, rank - 1))
-            k = draw(st.integers(1, 3))
-            shape = list(node.shape)
-            shape[dim] *= k
-            node = Concat(srcs=(node,) * k, dim=dim, dtype=node.dtype, shape=tuple(shape))
-        elif op == "stack" and rank < 4:
-            dim = draw(st.integers(0, rank))
-            k = draw(st.integers(1, 3))
-            shape = list(node.shape)
-            shape.insert(dim, k)
-            node = Stack(srcs=(node,) * k, dim=dim, dtype=node.dtype, shape=tuple(shape))
-        elif op == "permute" and rank:
-            perm = tuple(draw(st.permutations(range(rank))))
-            node = Permute(
-                src=node, perm=perm, dtype=node.dtype, shape=tuple(node.shape[p] for p in perm)
-            )
-        elif op == "reshape":
-            n = numel(node.shape)
-            shape = (
-                (0,)
-                if n == 0
-                else draw(
-                    st.sampled_from([(d, n // d) for d in range(1, n + 1) if n % d == 0] + [(n,)])
-                )
-            )
-            node = Reshape(src=node, dtype=node.dtype, shape=shape)
-        elif op == "cast":
-            kind = DTYPES[node.dtype].kind
-            if kind == "float":
-                target = draw(st.sampled_from(FLOATS))
-            elif kind in ("int", "uint"):
-                # Widening only: narrowing is range-checked, tested separately.
-                wider = [
-                    d
-                    for d in INTS
-                    if DTYPES[d].kind == kind and DTYPES[d].bits >= DTYPES[node.dtype].bits
-                ]
-                target = draw(st.sampled_from([*wider, "F64"]))
-            else:
-                target = draw(st.sampled_from(["U8", "F32"]))
-            node = Cast(src=node, dtype=target, shape=node.shape)
-    return node
-
-
-@st.composite
-def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
-    inputs = {f"in{i}": draw(tensors(f"in{i}")) for i in range(draw(st.integers(1, 3)))}
-    outputs: dict[str, Node] = {}
-    for j in range(draw(st.integers(1, 4))):
-        name = draw(st.sampled_from(sorted(inputs)))
-        outputs[f"out.{j}"] = draw(nodes(src(name, inputs[name])))
-    return inputs, outputs
 
 
 @settings(

@@ -5,8 +5,9 @@ errors (a :class:`~weightmap.errors.WeightmapError`) — never another exception
 hang (each example runs under a wall-clock alarm) and never memory far beyond the input.
 
 Each hypothesis test has a fixed ``max_examples`` so the file fits a CI budget; the same
-strategies and oracles drive the long-running ``fuzz/fuzz_parsers.py``. Inputs that once
-broke a parser are kept below as plain regression tests.
+strategies (in ``tests/strategies.py``) and the oracles below drive the long-running
+``fuzz/fuzz_parsers.py``. Inputs that once broke a parser are kept below as plain regression
+tests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import signal
 import struct
 import tempfile
@@ -27,6 +27,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from strategies import (
+    EXAMPLE,
+    PRESET,
+    PROGRAMS,
+    SHARDS,
+    VALID_INDEX,
+    config_docs,
+    header_entries,
+    header_files,
+    index_docs,
+    mutated_programs,
+    params_cases,
+)
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import FormatError, MappingError, WeightmapError
 from weightmap.format.checkpoint import Checkpoint
@@ -37,11 +50,6 @@ from weightmap.language.mapping import Mapping, load_mapping
 from weightmap.plan.plan import Plan
 
 T = TypeVar("T")
-
-REPO = Path(__file__).resolve().parent.parent
-VALID_DIR = REPO / "tests" / "data" / "lang" / "valid"
-PRESET = REPO / "mappings" / "eagle3-sglang.wm"
-EXAMPLE = REPO / "examples" / "eagle3-speculators"
 
 # Per-example wall-clock limit: every parser here handles small inputs in milliseconds.
 EXAMPLE_TIMEOUT_S = 10.0
@@ -169,16 +177,6 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> 
     return path
 
 
-SHARDS: dict[str, dict[str, tuple[str, list[int]]]] = {
-    "model-00001-of-00002.safetensors": {"a.weight": ("F32", [2, 3]), "a.bias": ("F16", [3])},
-    "model-00002-of-00002.safetensors": {"b.weight": ("BF16", [4]), "b.scale": ("I64", [])},
-}
-VALID_INDEX: dict[str, Any] = {
-    "metadata": {"total_size": 40},
-    "weight_map": {name: shard for shard, ts in SHARDS.items() for name in ts},
-}
-
-
 def make_sharded(folder: Path) -> Path:
     """Shards plus a symlink that escapes the folder and an outside file it points to."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -230,411 +228,6 @@ def config_case(
         plan = ours(lambda mapping=mapping, inputs=inputs: compile_plan(mapping, inputs, cfg))
         if plan is not None:
             check_plan(plan)
-
-
-# ---------------------------------------------------------------- strategies
-
-
-def json_values(max_leaves: int = 20) -> st.SearchStrategy[Any]:
-    """Arbitrary JSON values, with the numbers parsers trip on."""
-    scalars = st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(),
-        st.sampled_from([0, -1, 2**63, 2**64, 2**64 - 1, -(2**63), 10**30, 10**400]),
-        st.floats(allow_nan=True, allow_infinity=True),
-        st.text(max_size=20),
-    )
-    return st.recursive(
-        scalars,
-        lambda inner: st.one_of(
-            st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)
-        ),
-        max_leaves=max_leaves,
-    )
-
-
-class Nested:
-    """A placeholder for ``depth`` nested lists, spliced in as text (json.dumps would recurse)."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-
-
-def dumps_loose(value: Any) -> bytes:
-    """JSON text as a hostile writer might produce it (NaN, Infinity, ints beyond 64 bits)."""
-    nests: list[Nested] = []
-
-    def placeholder(obj: object) -> str:
-        if isinstance(obj, Nested):
-            nests.append(obj)
-            return f"@@NEST{len(nests) - 1}@@"
-        raise TypeError(obj)
-
-    try:
-        text = json.dumps(value, allow_nan=True, default=placeholder)
-    except ValueError:  # an int past the str-conversion limit
-        return b"1" * 5000
-    for i, nest in enumerate(nests):
-        text = text.replace(f'"@@NEST{i}@@"', "[" * nest.depth + "0" + "]" * nest.depth)
-    return text.encode("utf-8", "surrogatepass")
-
-
-@st.composite
-def byte_mutations(draw: st.DrawFn, data: bytes) -> bytes:
-    """Flip, insert, delete, duplicate or truncate bytes of ``data``, a few times."""
-    out = bytearray(data)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "insert", "delete", "dup", "truncate", "replace"]))
-        at = draw(st.integers(0, len(out)))
-        if op == "flip" and out:
-            i = min(at, len(out) - 1)
-            out[i] ^= 1 << draw(st.integers(0, 7))
-        elif op == "insert":
-            out[at:at] = draw(
-                st.one_of(
-                    st.binary(min_size=1, max_size=8),
-                    st.sampled_from(
-                        [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"[", b"{", b'"', b"\\"]
-                    ),
-                )
-            )
-        elif op == "delete":
-            del out[at : at + draw(st.integers(1, 8))]
-        elif op == "dup":
-            out[at:at] = out[at : at + draw(st.integers(1, 32))]
-        elif op == "truncate":
-            del out[at:]
-        elif op == "replace" and out:
-            i = min(at, len(out) - 1)
-            out[i] = draw(st.integers(0, 255))
-    return bytes(out)
-
-
-@st.composite
-def header_entries(draw: st.DrawFn) -> dict[str, Any]:
-    """A valid header as a dict (tensors back to back, optional metadata)."""
-    names = draw(st.lists(st.text(min_size=1, max_size=12), max_size=5, unique=True))
-    header: dict[str, Any] = {}
-    if draw(st.booleans()):
-        header["__metadata__"] = draw(
-            st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3)
-        )
-    offset = 0
-    for name in names:
-        if name == "__metadata__":
-            continue
-        dtype = draw(st.sampled_from(sorted(DTYPES)))
-        shape = draw(st.lists(st.integers(0, 4), max_size=3))
-        bits = math.prod(shape) * DTYPES[dtype].bits
-        if bits % 8:
-            shape = [*shape, 2] if DTYPES[dtype].bits == 4 else [*shape, 4]
-            bits = math.prod(shape) * DTYPES[dtype].bits
-        size = bits // 8
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    return header
-
-
-HOSTILE_NUMBERS: list[Any] = [
-    -1,
-    -(2**63),
-    2**63,
-    2**64,
-    2**64 - 1,
-    2**70,
-    10**30,
-    1.5,
-    -0.0,
-    1e308,
-    float("nan"),
-    float("inf"),
-    True,
-    False,
-    None,
-    "1",
-    [],
-    {},
-    [1, 2, 3],
-]
-
-
-def _walk_numbers(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _walk_numbers(v, (*path, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _walk_numbers(v, (*path, i))
-    else:
-        yield path
-
-
-def _set(value: Any, path: tuple[Any, ...], new: Any) -> Any:
-    if not path:
-        return new
-    head, rest = path[0], path[1:]
-    if isinstance(value, dict):
-        return {**value, head: _set(value[head], rest, new)}
-    copy = list(value)
-    copy[head] = _set(value[head], rest, new)
-    return copy
-
-
-@st.composite
-def mutated_json(draw: st.DrawFn, doc: Any) -> bytes:
-    """``doc`` with structural damage, serialised (sometimes with duplicate keys or nesting)."""
-    for _ in range(draw(st.integers(0, 3))):
-        paths = list(_walk_numbers(doc))
-        op = draw(st.sampled_from(["value", "nest", "drop", "extra", "metadata"]))
-        if op == "value" and paths:
-            path = draw(st.sampled_from(paths))
-            new = draw(st.one_of(st.sampled_from(HOSTILE_NUMBERS), json_values(5)))
-            doc = _set(doc, path, new)
-        elif op == "nest" and paths:
-            path = draw(st.sampled_from(paths))
-            depth = draw(st.sampled_from([2, 8, 9, 50, 600, 1100, 3000]))
-            doc = _set(doc, path, Nested(depth))
-        elif op == "drop" and isinstance(doc, dict) and doc:
-            key = draw(st.sampled_from(sorted(doc, key=str)))
-            doc = {k: v for k, v in doc.items() if k != key}
-        elif op == "extra" and isinstance(doc, dict):
-            doc = {**doc, draw(st.text(max_size=8)): draw(json_values(5))}
-        elif op == "metadata" and isinstance(doc, dict):
-            doc = {**doc, "__metadata__": draw(json_values(5))}
-    raw = dumps_loose(doc)
-    if draw(st.booleans()) and raw.startswith(b"{") and len(raw) > 2:
-        # Duplicate the first member: a duplicate key, or a plain copy of the document.
-        body = raw[1:-1]
-        first = body.split(b', "', 1)[0]
-        raw = b"{" + first + b", " + body + b"}"
-    if draw(st.booleans()):
-        raw = draw(byte_mutations(raw))
-    return raw
-
-
-@st.composite
-def header_files(draw: st.DrawFn) -> bytes:
-    """Whole files: a (possibly damaged) valid header, a (possibly lying) prefix, data."""
-    header = draw(header_entries())
-    raw = draw(mutated_json(header))
-    if draw(st.booleans()):
-        raw += b" " * draw(st.integers(0, 16))
-    ends = [
-        e["data_offsets"][1]
-        for k, e in header.items()
-        if k != "__metadata__" and isinstance(e, dict)
-    ]
-    data_len = max(ends, default=0) + draw(st.sampled_from([0, 0, 0, -1, 1, 8]))
-    size = len(raw) + draw(
-        st.sampled_from([0, 0, 0, 1, -1, 8, -8, MAX_HEADER_SIZE + 1, U64_MAX, 2**63])
-    )
-    prefix = struct.pack("<Q", size % 2**64)
-    return prefix + raw + bytes(max(0, data_len))
-
-
-HOSTILE_SHARD_NAMES: list[Any] = [
-    "../x",
-    "../model-00001-of-00002.safetensors",
-    "/etc/passwd",
-    "/tmp",
-    "a\x00b",
-    "",
-    ".",
-    "..",
-    "sub",
-    "sub/model-00001-of-00002.safetensors",
-    "model-00001-of-00002.safetensors/",
-    "..\\x",
-    "C:\\x",
-    "~",
-    "escape.safetensors",
-    "x" * 255,
-    "x" * 256,
-    "x" * 5000,
-    "\ud800.safetensors",
-    "é.safetensors",
-    0,
-    1.5,
-    None,
-    True,
-    [],
-    ["model-00001-of-00002.safetensors"],
-    {"a": 1},
-]
-
-
-@st.composite
-def index_docs(draw: st.DrawFn) -> bytes:
-    """Index files: the valid one damaged, hostile shard names, random JSON or bytes."""
-    kind = draw(st.sampled_from(["shards", "shards", "mutate", "json", "bytes"]))
-    if kind == "json":
-        return dumps_loose(draw(json_values()))
-    if kind == "bytes":
-        return draw(st.binary(max_size=200))
-    if kind == "mutate":
-        return draw(mutated_json(VALID_INDEX))
-    shard_names = st.one_of(
-        st.sampled_from(sorted(SHARDS)), st.sampled_from(HOSTILE_SHARD_NAMES), st.text(max_size=20)
-    )
-    tensor_names = st.one_of(st.sampled_from(list(VALID_INDEX["weight_map"])), st.text(max_size=10))
-    weight_map = draw(st.dictionaries(tensor_names, shard_names, max_size=6))
-    doc: dict[str, Any] = {"weight_map": weight_map}
-    if draw(st.booleans()):
-        doc["metadata"] = draw(json_values(5))
-    return dumps_loose(doc)
-
-
-@st.composite
-def config_docs(draw: st.DrawFn) -> bytes:
-    """config.json files: random JSON, damaged real configs, deep nesting, bytes."""
-    kind = draw(st.sampled_from(["json", "mutate", "deep", "bytes", "text"]))
-    if kind == "json":
-        value = draw(json_values(30))
-        if draw(st.booleans()):
-            value = {"hidden_size": value, "layers": value, "a": 1, "text_config": value}
-        return dumps_loose(value)
-    if kind == "mutate":
-        base = json.loads((EXAMPLE / CONFIG_NAME).read_text())
-        return draw(mutated_json(base))
-    if kind == "deep":
-        depth = draw(st.sampled_from([50, 100, 400, 600, 900, 990, 1100, 5000]))
-        opener, closer = draw(st.sampled_from([(b'{"a":', b"}"), (b"[", b"]")]))
-        return opener * depth + b"1" + closer * depth
-    if kind == "text":
-        return draw(
-            st.sampled_from(
-                [b"NaN", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": 1e999}', b'{"a": "\\ud800"}']
-            )
-        )
-    return draw(st.binary(max_size=200))
-
-
-# ---- mapping programs
-
-
-def _program_cases() -> list[tuple[str, list[TensorSpec], dict[str, Any] | None]]:
-    cases = []
-    for wm in sorted(VALID_DIR.glob("*.wm")):
-        doc = json.loads(wm.with_suffix(".in.json").read_text())
-        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in doc["tensors"]]
-        # Inline includes: mutated text is loaded from a string, relative to no folder.
-        text = re.sub(
-            r'^include "([^"]+)"$',
-            lambda m: (VALID_DIR / m.group(1)).read_text().split("\n", 1)[1],
-            wm.read_text(),
-            flags=re.MULTILINE,
-        )
-        cases.append((text, specs, doc.get("config")))
-    example = Checkpoint.open(EXAMPLE)
-    cases.append((PRESET.read_text(), list(example.specs()), example.config))
-    return cases
-
-
-PROGRAMS = _program_cases()
-_TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|\s+|#[^\n]*|.')
-VOCAB = sorted(
-    {t for text, _, _ in PROGRAMS for t in _TOKEN.findall(text) if not t.isspace()}
-    | {
-        "99999999999999999999999",
-        "9" * 5000,
-        "1e999",
-        "-1",
-        "0",
-        "[0] * 1000000000000",
-        '"{x:int}"',
-        '"{a,b}"',
-        '"**"',
-        '"{"',
-        '"}"',
-        '"\\u0000"',
-        '"\\ud800"',
-        '"a\\x"',
-        '"../x"',
-        '"/abs"',
-        '"__metadata__"',
-        "config",
-        "exists",
-        "[",
-        "]",
-        "{",
-        "}",
-        "(",
-        ")",
-        "?",
-        "->",
-        "\x00",
-        "é",
-        "\ud800",
-    }
-)
-
-
-@st.composite
-def mutated_programs(draw: st.DrawFn) -> tuple[str, list[TensorSpec], dict[str, Any] | None]:
-    """A valid program with tokens or characters deleted, inserted, duplicated or replaced."""
-    text, specs, config = draw(st.sampled_from(PROGRAMS))
-    tokens = _TOKEN.findall(text)
-    for _ in range(draw(st.integers(1, 5))):
-        op = draw(st.sampled_from(["del", "dup", "insert", "replace", "swap", "char", "number"]))
-        i = draw(st.integers(0, max(0, len(tokens) - 1)))
-        if op == "del" and tokens:
-            del tokens[i]
-        elif op == "dup" and tokens:
-            tokens[i:i] = tokens[i : i + draw(st.integers(1, 6))]
-        elif op == "insert":
-            tokens.insert(i, " " + draw(st.sampled_from(VOCAB)) + " ")
-        elif op == "replace" and tokens:
-            tokens[i] = draw(st.sampled_from(VOCAB))
-        elif op == "swap" and len(tokens) > 1:
-            j = draw(st.integers(0, len(tokens) - 1))
-            tokens[i], tokens[j] = tokens[j], tokens[i]
-        elif op == "char" and tokens:
-            tok = tokens[i]
-            at = draw(st.integers(0, len(tok)))
-            tokens[i] = tok[:at] + draw(st.characters(codec=None)) + tok[at + 1 :]
-        elif op == "number":
-            numbers = [k for k, t in enumerate(tokens) if t[:1].isdigit()]
-            if numbers:
-                k = draw(st.sampled_from(numbers))
-                tokens[k] = draw(
-                    st.sampled_from(["0", "-1", "1.5", "99999999999999999999", "1e308", "65536"])
-                )
-    return "".join(tokens), specs, config
-
-
-def params_values() -> st.SearchStrategy[Any]:
-    """Values a caller might pass as params, JSON or not."""
-    return st.one_of(
-        json_values(10),
-        st.sampled_from(
-            [
-                object(),
-                {1, 2},
-                b"bytes",
-                (1, 2),
-                1j,
-                2**15000,
-                -(2**257),
-                float("nan"),
-                "\x00",
-                "\ud800",
-            ]
-        ),
-        st.lists(st.sampled_from([object(), b"x", (1,)]), max_size=2),
-    )
-
-
-@st.composite
-def params_cases(draw: st.DrawFn) -> tuple[str, list[TensorSpec], dict[str, Any] | None, Any]:
-    """A valid program (or one with params declared) and an arbitrary params dict."""
-    text, specs, config = draw(st.sampled_from(PROGRAMS))
-    declared = draw(st.sampled_from(["null", "1", '"x"', "1.5", "[1]", '{"a": 1}', "true"]))
-    text = text.replace("weightmap 1\n", f"weightmap 1\nparam fuzz_p = {declared}\n", 1)
-    text += '\nrename? "never.{fuzz_x}" -> "{fuzz_p}.{fuzz_x}"\nwarn if fuzz_p == 1 "p {fuzz_p}"\n'
-    keys = st.one_of(st.sampled_from(["fuzz_p", "layout", "prefix"]), st.text(max_size=5))
-    params = draw(st.one_of(st.none(), st.dictionaries(keys, params_values(), max_size=3)))
-    return text, specs, config, params
 
 
 # ---------------------------------------------------------------- hypothesis tests

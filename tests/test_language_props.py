@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 
-from strategies_language import CONFIG, HEADERS, programs
+from strategies import CONFIG, HEADERS, grammar_programs
 from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
@@ -16,7 +16,7 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=list(
 
 
 @SETTINGS
-@given(programs())
+@given(grammar_programs())
 def test_generated_programs_compile_or_raise_our_errors(text: str) -> None:
     try:
         mapping = load_mapping(text)
@@ -26,7 +26,7 @@ def test_generated_programs_compile_or_raise_our_errors(text: str) -> None:
 
 
 @SETTINGS
-@given(programs())
+@given(grammar_programs())
 def test_unparse_round_trips(text: str) -> None:
     try:
         program = parse_program(text)
@@ -36,7 +36,7 @@ def test_unparse_round_trips(text: str) -> None:
 
 
 @SETTINGS
-@given(programs())
+@given(grammar_programs())
 def test_inverse_is_a_program_or_refused(text: str) -> None:
     try:
         mapping = load_mapping(text)

@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 
+from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
 from weightmap.format.atomic import TMP_MARKER
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
 from weightmap.format.writer import CheckpointWriter
-
-TORCH_DTYPES = {name: d.torch() for name, d in DTYPES.items() if d.torch_name and name != "F4"}
 
 
 def _spec(name: str, t: torch.Tensor) -> TensorSpec:
@@ -68,35 +66,6 @@ def test_example_rewritten_byte_identical(example: Path, tmp_path: Path) -> None
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
         example / "model.safetensors"
     ).read_bytes()
-
-
-names = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12
-).filter(lambda s: s != "__metadata__")
-shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
-
-
-@st.composite
-def checkpoints(draw: st.DrawFn) -> dict[str, torch.Tensor]:
-    keys = draw(st.lists(names, min_size=0, max_size=6, unique=True))
-    out = {}
-    for k in keys:
-        code = draw(st.sampled_from(sorted(TORCH_DTYPES)))
-        shape = draw(shapes)
-        n = 1
-        for d in shape:
-            n *= d
-        raw = draw(
-            st.binary(min_size=n * DTYPES[code].itemsize, max_size=n * DTYPES[code].itemsize)
-        )
-        out[k] = (
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            .view(TORCH_DTYPES[code])
-            .reshape(shape)
-            if n
-            else torch.zeros(shape, dtype=TORCH_DTYPES[code])
-        )
-    return out
 
 
 @settings(
