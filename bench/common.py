@@ -1,0 +1,21 @@
+"""What every bench module shares: where things are, the units, and the progress log.
+
+Nothing heavy is imported here (nor in any bench module at import time): ``bench/run.py``
+starts its job launcher before numpy, torch or weightmap are loaded, see ``jobs.Launcher``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GB = 10**9
+MIB = 2**20
+
+
+def log(msg: str) -> None:
+    """A timestamped progress line on stderr."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
