@@ -400,10 +400,11 @@ def _sglang_copy(example: Path, tmp_path: Path, edit: dict[str, Any] | None = No
             'verifier=ORG/NAME (params={"verifier": ...} or --set verifier=ORG/NAME)',
         ),
         (
-            {"architectures": ["LlamaForCausalLM"]},
+            {"architectures": ["LlamaForCausalLM"], "draft_vocab_size": None},
             VERIFIER,
             "not an SGLang EAGLE-3 drafter: config.json architectures should hold "
-            '"LlamaForCausalLMEagle3"',
+            '"LlamaForCausalLMEagle3" (or "LlamaForCausalLM" beside draft_vocab_size and '
+            "midlayer.* weights, as the EAGLE trainer writes)",
         ),
         (
             {"speculators_model_type": "eagle3"},
@@ -415,7 +416,9 @@ def _sglang_copy(example: Path, tmp_path: Path, edit: dict[str, Any] | None = No
             {"eagle_config": None},
             VERIFIER,
             "config.json has no eagle_config.eagle_aux_hidden_state_layer_ids, so the aux layers "
-            "the drafter was trained on are unknown: pass aux_layer_ids=[...] (speculators' ids)",
+            "the drafter was trained on are unknown: pass aux_layer_ids=[...] (speculators' ids), "
+            "or target_num_layers=L (the verifier's layer count) for the default SGLang and "
+            "SpecForge use, [2, L // 2, L - 3]",
         ),
     ],
     ids=["no-verifier", "not-eagle3", "already-speculators", "no-aux-ids"],

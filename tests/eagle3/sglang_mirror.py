@@ -33,7 +33,8 @@ class MirrorLoadError(ValueError):
 
 class MirrorOutput(NamedTuple):
     logits: torch.Tensor  # [n, Vd], float32
-    hidden: torch.Tensor  # [n, H], SGLang's ``hidden_states_to_aux`` (before the final norm)
+    hidden: torch.Tensor  # [n, H], ``hidden_states_to_aux``: before the final norm, or after it
+    # with norm_output
 
 
 def sglang_layers_to_capture(layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -59,12 +60,23 @@ class MirrorConfig:
     hidden_size_in: int
     fc_bias: bool
     aux_layer_ids: tuple[int, ...] | None
+    fc_norm: bool = False
+    norm_output: bool = False
 
     @classmethod
-    def from_flat(cls, cfg: dict[str, Any]) -> MirrorConfig:
+    def from_flat(cls, cfg: dict[str, Any], *, source: bool = False) -> MirrorConfig:
+        """Read a flat config as SGLang does. ``source=True`` reads a drafter as its trainer
+        ran it rather than checking a conversion: a missing ``rope_theta`` is SGLang's and
+        EAGLE's 10000, and transformers-5 ``rope_parameters`` carry theta and scaling."""
         problems: list[str] = []
+        if source and cfg.get("rope_parameters"):
+            params = dict(cfg["rope_parameters"])
+            cfg = {**cfg, "rope_theta": params.pop("rope_theta", 10000.0), "rope_scaling": params}
+        elif source:
+            cfg = {"rope_theta": 10000.0, **cfg}
         arch = (cfg.get("architectures") or [None])[0]
-        if arch != "LlamaForCausalLMEagle3":
+        # The EAGLE research trainer's config names LlamaForCausalLM; its code runs this model.
+        if arch != "LlamaForCausalLMEagle3" and not (source and arch == "LlamaForCausalLM"):
             problems.append(f"architectures[0] is {arch!r}, SGLang needs LlamaForCausalLMEagle3")
         if cfg.get("hidden_act") != "silu":
             problems.append(f"hidden_act is {cfg.get('hidden_act')!r}, SGLang runs silu")
@@ -80,8 +92,8 @@ class MirrorConfig:
             problems.append("this mirror models the single midlayer only")
         eagle = cfg.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if ids is not None and len(ids) != 3:
-            problems.append(f"{len(ids)} aux layer ids: older SGLang hard-codes 3")
+        if ids is not None and len(ids) != cfg.get("num_aux_hidden_states", 3):
+            problems.append(f"{len(ids)} aux layer ids, but SGLang captures 3")
         scaling = cfg.get("rope_scaling")
         kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
         if kind not in (None, "default", "llama3"):
@@ -105,6 +117,8 @@ class MirrorConfig:
             hidden_size_in=int(cfg.get("target_hidden_size") or hidden),
             fc_bias=bool(cfg.get("bias", False)),
             aux_layer_ids=None if ids is None else tuple(ids),
+            fc_norm=bool(cfg.get("fc_norm", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
         )
 
 
@@ -156,7 +170,9 @@ class Attention(nn.Module):
                     wave > orig / low, inv / factor, (1 - smooth) * inv / factor + smooth * inv
                 ),
             )
-        t = torch.arange(c.max_position_embeddings, dtype=torch.float)
+        # SGLang sizes the cache by the serving context; here, by the positions asked for.
+        length = max(c.max_position_embeddings, int(positions.max().item()) + 1)
+        t = torch.arange(length, dtype=torch.float)
         freqs = torch.einsum("i,j->ij", t, inv)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
         return cache.to(positions.device).index_select(0, positions)
@@ -231,6 +247,12 @@ class Eagle3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.fc = nn.Linear(3 * c.hidden_size_in, c.hidden_size, bias=c.fc_bias, **factory)
+        # Eagle-3.1 (fc_norm): one RMSNorm per aux hidden state, applied before fc.
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(c.hidden_size_in, c.rms_norm_eps, **factory) for _ in range(3))
+            if c.fc_norm
+            else None
+        )
         self.midlayer = MidLayer(c, **factory)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
 
@@ -275,8 +297,11 @@ class SGLangEagle3Mirror(nn.Module):
         weights: Iterable[tuple[str, torch.Tensor]],
         *,
         embed_tokens: torch.Tensor | None = None,
+        newer_sglang: bool = False,
     ) -> None:
         """SGLang's ``load_weights``, then ``set_embed`` when ``embed_tokens`` is given.
+        ``newer_sglang``: names ``layers.0.*`` load too, as in SGLang 0.5.2x, which builds
+        ``model.layers[0]`` (older SGLang skips them).
 
         Raises ``MirrorLoadError`` listing every name SGLang would skip, every shape that
         does not fit and every parameter (or fused shard) left unloaded.
@@ -305,6 +330,10 @@ class SGLangEagle3Mirror(nn.Module):
                 if "t2d" in name:
                     continue
                 orig = name
+                # Newer SGLang builds model.layers[0] and loads both names into it; this
+                # mirror keeps the older module name.
+                if newer_sglang and name.startswith("layers.0."):
+                    name = "midlayer." + name.removeprefix("layers.0.")
                 for param_name, weight_name, shard_id in self._stacked:
                     if weight_name not in name:
                         continue
@@ -353,27 +382,42 @@ class SGLangEagle3Mirror(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.hot_token_id is None else self.hot_token_id[draft_ids]
 
-    def _forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> MirrorOutput:
+    def _forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> MirrorOutput:
         m = self.model
         t = input_ids.shape[0]
-        positions = torch.arange(
-            self.next_position, self.next_position + t, device=input_ids.device
-        )
+        if positions is None:
+            positions = torch.arange(
+                self.next_position, self.next_position + t, device=input_ids.device
+            )
         embeds = m.embed_tokens(input_ids)
         hidden = hidden.to(embeds.dtype)
         if hidden.shape[-1] != embeds.shape[-1]:  # SGLang's test for "this is aux, run fc"
+            if m.fc_norm is not None:
+                chunks = hidden.chunk(len(m.fc_norm), dim=-1)
+                hidden = torch.cat([n(x)[0] for n, x in zip(m.fc_norm, chunks, strict=True)], -1)
             hidden = m.fc(hidden)
         x, residual = m.midlayer(positions, embeds, hidden)
         to_logits, to_aux = m.norm(x, residual)
         assert to_aux is not None
+        if self.c.norm_output:  # Eagle-3.1: the next step is fed the normalised state
+            to_aux = to_logits
         logits = torch.matmul(to_logits.to(self.lm_head.weight.dtype), self.lm_head.weight.T)
-        self.next_position += t
+        self.next_position = int(positions[-1].item()) + 1
         return MirrorOutput(logits.float(), to_aux)
 
     @torch.no_grad()
-    def extend(self, aux: torch.Tensor, input_ids: torch.Tensor) -> MirrorOutput:
+    def extend(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, start: int | torch.Tensor = 0
+    ) -> MirrorOutput:
+        """Prefill at positions ``start``, ``start + 1``, ..., or at the positions listed in a
+        tensor ``start`` (rope is relative: spread positions give distances of thousands
+        without a context of thousands)."""
         self.model.midlayer.self_attn.cache = None
-        self.next_position = 0
+        if isinstance(start, torch.Tensor):
+            return self._forward(input_ids, aux, start.to(input_ids.device))
+        self.next_position = start
         return self._forward(input_ids, aux)
 
     @torch.no_grad()
@@ -387,10 +431,14 @@ def load_converted(
     dtype: torch.dtype,
     device: torch.device,
     embed_tokens: torch.Tensor | None = None,
+    source: bool = False,
+    newer_sglang: bool = False,
 ) -> SGLangEagle3Mirror:
-    """Build the mirror from a converted checkpoint's flat config and load its tensors."""
+    """Build the mirror from a converted checkpoint's flat config and load its tensors
+    (``source``: see ``MirrorConfig.from_flat``; ``newer_sglang``: see ``load_weights``)."""
     cfg = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    model = SGLangEagle3Mirror(MirrorConfig.from_flat(cfg), dtype=dtype, device=device)
+    config = MirrorConfig.from_flat(cfg, source=source)
+    model = SGLangEagle3Mirror(config, dtype=dtype, device=device)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise MirrorLoadError(f"no .safetensors file in {directory}")
@@ -401,7 +449,7 @@ def load_converted(
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     yield key, f.get_tensor(key)
 
-    model.load_weights(tensors(), embed_tokens=embed_tokens)
+    model.load_weights(tensors(), embed_tokens=embed_tokens, newer_sglang=newer_sglang)
     return model
 
 

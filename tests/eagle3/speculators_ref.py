@@ -2,7 +2,8 @@
 
 It reads a checkpoint written by ``speculators`` (nested ``config.json``, names
 ``layers.N.*``) and computes what ``Eagle3DraftModel`` computes at inference: the facts
-sheet's section 3, with the flags ``norm_before_residual`` and ``norm_before_fc``, Qwen3
+sheet's section 3, with the flags ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``
+and ``norm_output`` (Eagle-3.1: the next step is fed the normalised state), Qwen3
 ``q_norm``/``k_norm``, biases and extra decoder layers. Norms follow transformers'
 ``LlamaRMSNorm`` (float32 statistics, weight applied in the model dtype); attention uses
 ``scaled_dot_product_attention`` over a KV cache.
@@ -49,14 +50,13 @@ class RefConfig:
     rope_scaling: dict[str, Any] | None
     norm_before_residual: bool
     norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
 
     @classmethod
     def from_json(cls, cfg: dict[str, Any]) -> RefConfig:
         if cfg.get("speculators_model_type") != "eagle3":
             raise ValueError("not a speculators EAGLE-3 config")
-        for flag in ("fc_norm", "norm_output"):
-            if cfg.get(flag):
-                raise NotImplementedError(f"the reference does not model {flag}=true")
         tl = cfg["transformer_layer_config"]
         if tl.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {tl['hidden_act']!r}")
@@ -82,6 +82,8 @@ class RefConfig:
             rope_scaling=scaling,
             norm_before_residual=bool(cfg.get("norm_before_residual", False)),
             norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+            fc_norm=bool(cfg.get("fc_norm", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
         )
 
 
@@ -200,15 +202,30 @@ class SpeculatorsReference:
         )
 
     def _forward(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, *, from_aux: bool
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        from_aux: bool,
+        positions: torch.Tensor | None = None,
     ) -> DraftOutput:
         c, eps = self.cfg, self.cfg.rms_norm_eps
         t = input_ids.shape[0]
-        positions = torch.arange(self.next_position, self.next_position + t, device=self.device)
+        if positions is None:
+            positions = torch.arange(self.next_position, self.next_position + t, device=self.device)
         hidden = hidden.to(self.dtype)
         if from_aux:
             if c.norm_before_fc:
                 hidden = _rms_norm(hidden, self.w["input_norm.weight"], eps)
+            if c.fc_norm:  # Eagle-3.1: one norm per aux hidden state
+                chunks = hidden.chunk(sum(k.startswith("fc_norm.") for k in self.w), dim=-1)
+                hidden = torch.cat(
+                    [
+                        _rms_norm(x, self.w[f"fc_norm.{j}.weight"], eps)
+                        for j, x in enumerate(chunks)
+                    ],
+                    dim=-1,
+                )
             hidden = self._linear(hidden, "fc")
         embeds = F.embedding(input_ids, self.w["embed_tokens.weight"])
         normed_hidden = _rms_norm(hidden, self.w["layers.0.hidden_norm.weight"], eps)
@@ -225,13 +242,21 @@ class SpeculatorsReference:
                 n, _rms_norm(x, self.w[p + "input_layernorm.weight"], eps), positions
             )
             x = x + self._mlp(n, _rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps))
-        logits = F.linear(_rms_norm(x, self.w["norm.weight"], eps), self.w["lm_head.weight"])
-        self.next_position += t
-        return DraftOutput(logits.float(), x)
+        normed = _rms_norm(x, self.w["norm.weight"], eps)
+        logits = F.linear(normed, self.w["lm_head.weight"])
+        self.next_position = int(positions[-1].item()) + 1
+        # norm_output (Eagle-3.1): the next step is fed the normalised state.
+        return DraftOutput(logits.float(), normed if c.norm_output else x)
 
-    def extend(self, aux: torch.Tensor, input_ids: torch.Tensor) -> DraftOutput:
-        """Prefill over a context: ``aux`` [T, A*tH] target hidden states, ``input_ids`` [T]."""
+    def extend(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, start: int | torch.Tensor = 0
+    ) -> DraftOutput:
+        """Prefill over a context: ``aux`` [T, A*tH] target hidden states, ``input_ids`` [T],
+        at positions ``start``, ``start + 1``, ..., or at those listed in a tensor ``start``."""
         self.reset()
+        if isinstance(start, torch.Tensor):
+            return self._forward(input_ids, aux, from_aux=True, positions=start.to(self.device))
+        self.next_position = start
         return self._forward(input_ids, aux, from_aux=True)
 
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> DraftOutput:
