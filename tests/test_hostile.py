@@ -194,3 +194,68 @@ def test_a_journal_whose_index_disagrees_is_refused(ckpt: Path) -> None:
     with pytest.raises(CheckpointError, match="does not list the tensors of its headers"):
         weightmap.recover(ckpt)
     assert not (ckpt / "model.safetensors.index.json").exists()
+
+
+# ---------------------------------------------------------------- 10. deep --set values
+
+
+def test_a_deeply_nested_set_value_is_one_line(ckpt: Path, tmp_path: Path) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    result = _run("convert", str(ckpt), str(tmp_path / "out"), "--preset", "eagle3-sglang",
+                  "--set", f"l={deep}")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--set l" in result.stderr and "nests deeper than" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- 14. NaN never written
+
+_CONFIG_PARAM = "weightmap 1\nparam p = 1.5\nunmatched keep\nconfig { value = p }\n"
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400", "[1, NaN]"])
+def test_set_of_a_non_json_number_is_refused(ckpt: Path, tmp_path: Path, value: str) -> None:
+    mapping = tmp_path / "m.wm"
+    mapping.write_text(_CONFIG_PARAM)
+    out = tmp_path / "out"
+    result = _run("convert", str(ckpt), str(out), "--mapping", str(mapping), "--set", f"p={value}")
+    assert result.returncode == 2, result.stderr
+    assert "--set p" in result.stderr and "not a JSON number" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1.0, float("-inf")]])
+def test_params_and_edits_that_are_not_json_never_reach_config_json(
+    ckpt: Path, tmp_path: Path, value: object
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(weightmap.MappingError, match="not a finite number"):
+        weightmap.remap(ckpt, out, mapping=_CONFIG_PARAM, params={"p": value})
+    # Arithmetic in the language cannot make one either.
+    text = "weightmap 1\nunmatched keep\nconfig { value = 1e308 * 10.0 }\n"
+    with pytest.raises(weightmap.MappingError, match="not a finite number"):
+        weightmap.remap(ckpt, out, mapping=text)
+    assert not out.exists()
+
+
+def test_a_config_holding_nan_is_never_written_back(ckpt: Path, tmp_path: Path) -> None:
+    config = json.loads((ckpt / "config.json").read_text())
+    config["odd"] = {"value": float("nan")}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    # Reading it is fine (inspect, compile without writing refuse only where they print it).
+    result = _run("inspect", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    # inspect --json prints strict JSON or refuses clearly: it refuses, naming the field.
+    result = _run("inspect", "--json", str(ckpt))
+    assert result.returncode == 1
+    assert "odd.value" in result.stderr and "NaN" in result.stderr
+    assert result.stdout == ""
+    # A conversion would write it back into config.json: refused.
+    out = tmp_path / "out"
+    result = _run("convert", str(ckpt), str(out), "--preset", "eagle3-sglang")
+    assert result.returncode == 2
+    assert "odd.value" in result.stderr and "NaN" in result.stderr
+    assert not out.exists()

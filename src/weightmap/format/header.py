@@ -20,7 +20,7 @@ from typing import Any
 
 from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
-from weightmap.format.text import is_utf8
+from weightmap.format.text import is_utf8, nesting_exceeds
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
 
@@ -79,31 +79,9 @@ def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> Form
 
 
 def _check_nesting(text: str, path: str) -> None:
-    """Refuse brackets nested past _MAX_DEPTH before json sees them.
-
-    The JSON decoder is recursive: a header of nested brackets would exhaust the stack.
-    """
-    depth = 0
-    in_string = False
-    escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > _MAX_DEPTH:
-                raise _fail(
-                    path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels"
-                )
-        elif ch in "]}":
-            depth -= 1
+    """Refuse brackets nested past _MAX_DEPTH before json sees them (its decoder recurses)."""
+    if nesting_exceeds(text, _MAX_DEPTH):
+        raise _fail(path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels")
 
 
 def _decode_json(raw: bytes, path: str) -> Any:

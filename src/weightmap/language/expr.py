@@ -8,6 +8,7 @@ numbers and strings with strings.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +204,9 @@ def _arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
         raise EvalError(f"{op} overflows on {show(a)} and {show(b)}", loc) from None
     if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
         raise EvalError(f"integer {op} result exceeds {MAX_INT_BITS} bits", loc)
+    if isinstance(result, float) and not math.isfinite(result):
+        # JSON has no NaN or Infinity: such a value could never be written to config.json.
+        raise EvalError(f"{op} on {show(a)} and {show(b)} gives {result}, not a finite number", loc)
     return result
 
 
