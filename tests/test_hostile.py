@@ -210,6 +210,52 @@ def test_a_deeply_nested_set_value_is_one_line(ckpt: Path, tmp_path: Path) -> No
     assert not (tmp_path / "out").exists()
 
 
+# ---------------------------------------------------------------- 12. include fan-out, size
+
+
+def test_include_fan_out_is_bounded(tmp_path: Path) -> None:
+    # 30 files of ~45 bytes, each including the next twice: 2**30 expansions, and no cycle.
+    for i in range(30):
+        body = f'include "f{i + 1}.wm"\n' * 2 if i < 29 else 'keep "**"\n'
+        (tmp_path / f"f{i}.wm").write_text("weightmap 1\n" + body)
+    result = _run("check", str(tmp_path / "f0.wm"))  # hung before (timeout: 120 s)
+    assert result.returncode == 2, result.stderr
+    assert "more than 100 includes" in result.stderr
+    # A plain chain within the bound still works.
+    (tmp_path / "f29.wm").write_text('weightmap 1\nkeep "**"\n')
+    (tmp_path / "chain.wm").write_text('weightmap 1\ninclude "f29.wm"\ninclude "f29.wm"\n')
+    assert len(weightmap.load_mapping(tmp_path / "chain.wm").program.stmts) == 2
+
+
+def test_the_main_mapping_has_a_size_cap(tmp_path: Path) -> None:
+    big = "weightmap 1\n" + 'keep "a"\n' * 120_000  # 1.2 MB of valid statements
+    path = tmp_path / "big.wm"
+    path.write_text(big)
+    for source in (path, big):
+        with pytest.raises(weightmap.MappingError, match="1,000,000 bytes"):
+            weightmap.load_mapping(source)
+
+
+def test_a_huge_string_literal_is_refused_before_parsing() -> None:
+    import tracemalloc
+
+    secret = "s3cr3t" * 100
+    text = 'weightmap 1\nrename "' + secret + "a" * 10_000_000 + '" -> "b"\n'
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightmap.MappingError) as err:
+            weightmap.load_mapping(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20  # parsing it took 1.8 GB
+    assert secret not in str(err.value)
+    # Within the size cap, a line that long is refused by its length, not parsed.
+    text = 'weightmap 1\nrename "' + "a" * 200_000 + '" -> "b"\n'
+    with pytest.raises(MappingSyntaxError, match=r"<string>:2:1: this line is 200,0\d\d char"):
+        weightmap.load_mapping(text)
+
+
 # ---------------------------------------------------------------- 14. NaN never written
 
 _CONFIG_PARAM = "weightmap 1\nparam p = 1.5\nunmatched keep\nconfig { value = p }\n"
@@ -259,3 +305,48 @@ def test_a_config_holding_nan_is_never_written_back(ckpt: Path, tmp_path: Path) 
     assert result.returncode == 2
     assert "odd.value" in result.stderr and "NaN" in result.stderr
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- 16. smaller things
+
+
+def _many_tensors(folder: Path, n: int) -> Path:
+    from sftools import entry, write_raw
+
+    folder.mkdir()
+    header = {f"layer.{i}.weight": entry("F32", [1], 4 * i, 4 * i + 4) for i in range(n)}
+    write_raw(folder / "model.safetensors", header, b"\0" * (4 * n))
+    return folder
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path: Path, json_flag: list[str]) -> None:
+    folder = _many_tensors(tmp_path / "many", 3000)  # far more output than a pipe holds
+    proc = subprocess.Popen(
+        [*EXE, "inspect", *json_flag, str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    with proc:
+        proc.stdout.readline()
+        proc.stdout.close()  # what `| head -1` does
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0, err
+    assert err == ""
+
+
+def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "rules.wm"
+    os.mkfifo(fifo)
+    result = _run("check", str(fifo))
+    assert result.returncode == 2
+    assert "does not exist" not in result.stderr
+    assert "not a regular file" in result.stderr
+    result = _run("convert", str(ckpt), str(tmp_path / "o"), "--mapping", str(fifo))
+    assert result.returncode == 2
+    assert "not a regular file" in result.stderr
+    # The library never blocks reading it either.
+    with pytest.raises(weightmap.MappingError, match="not a regular file"):
+        weightmap.load_mapping(fifo)

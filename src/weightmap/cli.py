@@ -77,7 +77,8 @@ def _mapping_of(args: argparse.Namespace) -> Mapping:
 
 def _named_mapping(spec: str) -> Mapping:
     """A command's MAPPING argument: a mapping file if one exists there, else a preset name."""
-    if Path(spec).is_file():
+    if Path(spec).exists() and not Path(spec).is_dir():
+        # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
     return resolve_mapping(preset=spec)
 
