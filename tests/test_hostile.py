@@ -337,6 +337,30 @@ def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path: Path, json_flag: lis
     assert err == ""
 
 
+def test_a_dangling_symlink_destination_is_refused_before_work(ckpt: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "out"
+    dest.symlink_to(tmp_path / "nowhere")
+    seen: list[int] = []
+    with pytest.raises(weightmap.OutputExistsError, match="symbolic link") as err:
+        weightmap.remap(ckpt, dest, preset="eagle3-sglang", progress=lambda d, t: seen.append(d))
+    assert seen == []  # refused before the first byte was converted
+    assert "appeared while" not in str(err.value)
+    assert dest.is_symlink() and not (tmp_path / "nowhere").exists()
+    # --overwrite replaces the link itself, never what it points to.
+    weightmap.remap(ckpt, dest, preset="eagle3-sglang", overwrite=True)
+    assert dest.is_dir() and not dest.is_symlink()
+
+
+def test_a_folder_named_model_safetensors_is_named_as_such(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    (root / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a folder, not a file"):
+        weightmap.Checkpoint.open(root)
+    result = _run("inspect", str(root))
+    assert "found model.safetensors" not in result.stderr
+    assert "is a folder, not a file" in result.stderr
+
+
 def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> None:
     fifo = tmp_path / "rules.wm"
     os.mkfifo(fifo)
@@ -350,3 +374,42 @@ def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> N
     # The library never blocks reading it either.
     with pytest.raises(weightmap.MappingError, match="not a regular file"):
         weightmap.load_mapping(fifo)
+
+
+def _with_metadata(folder: Path, shards: list[dict[str, str] | None]) -> Path:
+    from sftools import entry, write_raw
+
+    folder.mkdir()
+    weight_map = {}
+    for i, meta in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header: dict[str, object] = {f"t{i}": entry("F32", [2], 0, 8)}
+        if meta is not None:
+            header["__metadata__"] = meta
+        write_raw(folder / name, header, b"\1" * 8)
+        weight_map[f"t{i}"] = name
+    index = {"metadata": {"total_size": 8 * len(shards)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_input_metadata_is_carried_to_the_output(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    src = _with_metadata(
+        tmp_path / "src",
+        [
+            {"format": "pt", "origin": "trainer-7", "step": "100"},
+            {"format": "pt", "origin": "trainer-7", "step": "200"},
+        ],
+    )
+    out = tmp_path / "out"
+    weightmap.remap(src, out, mapping='weightmap 1\nkeep "**"\n')
+    with safe_open(out / "model.safetensors", "pt") as f:
+        # Keys every shard agrees on are carried; a key the shards disagree on is dropped.
+        assert f.metadata() == {"format": "pt", "origin": "trainer-7"}
+    # No metadata at all: the output says format pt, as before.
+    bare = _with_metadata(tmp_path / "bare", [None])
+    weightmap.remap(bare, tmp_path / "out2", mapping='weightmap 1\nkeep "**"\n')
+    with safe_open(tmp_path / "out2" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}

@@ -224,6 +224,7 @@ def _write(
             chunk_bytes=chunk_bytes,
             checksum=checksum,
             progress=tick,
+            metadata={"format": "pt", **ckpt.metadata},
         )
     finally:
         close()

@@ -131,15 +131,29 @@ class Checkpoint:
         if p.is_file():
             cls._check_journal(p.parent)
             return cls._from_files(p.parent, [p], None)
+        if not p.is_dir():
+            raise CheckpointError(
+                "is neither a file nor a folder; give a checkpoint folder or a .safetensors file",
+                path=p,
+                rule="layout",
+            )
         root = p
         cls._check_journal(root)
         index = root / INDEX_NAME
         single = root / SINGLE_NAME
+        for special in (index, single):
+            if special.exists() and not special.is_file():
+                raise CheckpointError(
+                    f"{special.name} is a {'folder' if special.is_dir() else 'special file'}, "
+                    "not a file",
+                    path=special,
+                    rule="not-a-file",
+                )
         if index.is_file():
             return cls._from_index(root, index)
         if single.is_file():
             return cls._from_files(root, [single], None)
-        found = sorted(q.name for q in root.glob("*.safetensors"))
+        found = sorted(q.name for q in root.glob("*.safetensors") if _is_file(q))
         hint = (
             f"; found {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} — pass one file "
             "directly, or add an index"
@@ -238,6 +252,21 @@ class Checkpoint:
     def config(self) -> dict[str, Any] | None:
         """A fresh copy of config.json, or None when the checkpoint has none."""
         return None if self._config is None else json.loads(json.dumps(self._config))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` entries every file agrees on.
+
+        A key whose value differs between shards describes no single file, so it is left out
+        (one file missing a key does not drop it: it says nothing against it).
+        """
+        merged: dict[str, str] = {}
+        conflicts: set[str] = set()
+        for header in self.headers.values():
+            for key, value in (header.metadata or {}).items():
+                if merged.setdefault(key, value) != value:
+                    conflicts.add(key)
+        return {k: v for k, v in merged.items() if k not in conflicts}
 
     @property
     def files(self) -> tuple[Path, ...]:

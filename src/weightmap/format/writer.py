@@ -77,6 +77,12 @@ class CheckpointWriter:
                     f"{self.dest}: the destination holds the input ({p}); choose another folder "
                     "(in-place mode rewrites headers without a destination)"
                 )
+        if self.dest.is_symlink() and not self.dest.exists() and not overwrite:
+            # Refused now, not after converting in full: the commit's rename would refuse it.
+            raise OutputExistsError(
+                f"{self.dest} is a symbolic link (to {os.readlink(self.dest)}, which does not "
+                "exist); remove it, or pass overwrite=True (--overwrite) to replace the link"
+            )
         if self.dest.exists() and not overwrite:
             raise OutputExistsError(
                 f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
