@@ -307,6 +307,14 @@ def test_a_config_holding_nan_is_never_written_back(ckpt: Path, tmp_path: Path) 
     assert not out.exists()
 
 
+def test_json_problem_names_any_field() -> None:
+    from weightmap.format.text import json_problem
+
+    # Found by the fuzzer: a key with a brace broke the message's formatting.
+    assert json_problem({"{p}": [2**300]}) == "holds an integer over 256 bits at `{p}.0`"
+    assert json_problem([[0] * 10] * 10, max_values=100) == "holds more than 100 values"
+
+
 # ---------------------------------------------------------------- 16. smaller things
 
 

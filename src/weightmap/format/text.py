@@ -100,6 +100,11 @@ def _shown(path: tuple[str | int, ...]) -> str:
     return ".".join(str(k) for k in path)[:200]
 
 
+def _where(what: str, path: tuple[str | int, ...]) -> str:
+    """``holds NaN at `a.b``` for a value inside another, ``is NaN`` for the value itself."""
+    return f"holds {what} at `{_shown(path)}`" if path else f"is {what}"
+
+
 def _non_finite(v: float) -> str:
     return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
 
@@ -127,21 +132,20 @@ def json_problem(
             return f"holds more than {max_values:,} values"
         if len(path) >= max_depth:
             return f"nests deeper than {max_depth} levels"
-        where = f"holds {{}} at `{_shown(path)}`," if path else "is {},"
         if v is None or isinstance(v, bool):
             continue
         if isinstance(v, float):
             if not math.isfinite(v):
                 return (
-                    f"{where.format(_non_finite(v))} which is not a finite number (JSON has "
+                    f"{_where(_non_finite(v), path)}, which is not a finite number (JSON has "
                     "no NaN or Infinity)"
                 )
         elif isinstance(v, int):
             if v.bit_length() > MAX_INT_BITS:
-                return f"{where.format('an integer')} over {MAX_INT_BITS} bits"
+                return _where(f"an integer over {MAX_INT_BITS} bits", path)
         elif isinstance(v, str):
             if not is_utf8(v):
-                return f"{where.format('a string')} with a lone surrogate, which is not UTF-8"
+                return f"{_where('a lone surrogate', path)}, which is not UTF-8"
         elif isinstance(v, list):
             stack.extend((x, (*path, i)) for i, x in enumerate(v))
         elif isinstance(v, dict):
@@ -149,10 +153,10 @@ def json_problem(
                 if not isinstance(k, str):
                     return f"object key {k!r} is not a string"
                 if not is_utf8(k):
-                    return f"{where.format('a key')} with a lone surrogate, which is not UTF-8"
+                    return f"{_where('a key with a lone surrogate', path)}, which is not UTF-8"
                 stack.append((x, (*path, k)))
         else:
-            return f"{where.format(type(v).__name__)} which is not a JSON value"
+            return f"{_where(f'a {type(v).__name__}', path)}, which is not a JSON value"
     return None
 
 
