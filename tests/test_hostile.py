@@ -19,6 +19,7 @@ from weightmap import CheckpointError, MappingSyntaxError
 from weightmap.format.layout import JOURNAL_NAME
 
 EXE = [sys.executable, "-m", "weightmap"]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -194,6 +195,139 @@ def test_a_journal_whose_index_disagrees_is_refused(ckpt: Path) -> None:
     with pytest.raises(CheckpointError, match="does not list the tensors of its headers"):
         weightmap.recover(ckpt)
     assert not (ckpt / "model.safetensors.index.json").exists()
+
+
+# ---------------------------------------------------------------- 8. iter_tensors lifetime
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter: a segfault fails the test, not the suite."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+
+
+_REFERENCE = """
+import gc, torch, weightmap
+from safetensors.torch import load_file
+weightmap.remap("examples/eagle3-speculators", OUT, preset="eagle3-sglang", overwrite=True)
+reference = load_file(OUT + "/model.safetensors")
+def raw(t):
+    return t.reshape(-1).view(torch.uint8)
+def check(tensors, every=True):
+    gc.collect()
+    if every:
+        assert set(tensors) == set(reference), sorted(set(tensors) ^ set(reference))
+    for name, t in tensors.items():
+        assert torch.equal(raw(t), raw(reference[name])), name
+"""
+
+
+def test_tensors_from_iter_tensors_outlive_the_iterator(tmp_path: Path) -> None:
+    code = (
+        _REFERENCE.replace("OUT", repr(str(tmp_path / "ref")))
+        + """
+check(dict(weightmap.iter_tensors("examples/eagle3-speculators", preset="eagle3-sglang")))
+# A partly consumed iterator, dropped: what it handed out stays valid.
+it = weightmap.iter_tensors("examples/eagle3-speculators", preset="eagle3-sglang")
+first = dict([next(it), next(it)])
+del it
+gc.collect()
+check(first, every=False)
+# Checkpoint.view after the checkpoint is closed.
+with weightmap.Checkpoint.open("examples/eagle3-speculators") as c:
+    views = {n: c.view(n) for n in c.tensors}
+gc.collect()
+print(sum(float(v.double().sum()) for v in views.values() if v.is_floating_point()))
+print("ok")
+"""
+    )
+    result = _python(code)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_the_engine_example_of_the_docs_reads_its_stored_tensors(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "embedding.md").read_text()
+    start = text.index("class Engine:")
+    block = text[text.rindex("```python", 0, start) + len("```python") : text.index("```", start)]
+    assert "engine.load_weights(weightmap.iter_tensors(" in block
+    code = (
+        _REFERENCE.replace("OUT", repr(str(tmp_path / "ref")))
+        + block
+        + """
+# The iterator is gone; the engine holds the tensors and reads them now.
+check(engine.params)
+print("ok")
+"""
+    )
+    result = _python(code)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stdout.strip().endswith("ok")
+
+
+# ---------------------------------------------------------------- 9. huge empty dimensions
+
+
+def _empty_huge(folder: Path, shape: list[int]) -> Path:
+    from sftools import entry, write_raw
+
+    folder.mkdir()
+    header = {"e": entry("F32", shape, 0, 0), "w": entry("F32", [2], 0, 8)}
+    write_raw(folder / "model.safetensors", header, b"\1" * 8)
+    return folder
+
+
+def _reference_accepts(path: Path) -> bool:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "numpy") as f:
+            f.keys()
+    except (SafetensorError, OverflowError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [0, 2**63],
+        [0, 2**64 - 1],
+        [0, 2**32, 2**32],
+        [0, 2**64],
+        [0, 2**70],
+        [2**32, 2**32, 0],
+        [2**63, 2, 0],
+    ],
+)
+def test_shapes_are_refused_exactly_where_the_reference_refuses(
+    tmp_path: Path, shape: list[int]
+) -> None:
+    folder = _empty_huge(tmp_path / "ckpt", shape)
+    accepted = _reference_accepts(folder / "model.safetensors")
+    if accepted:
+        with weightmap.Checkpoint.open(folder) as c:
+            assert c.tensors["e"].shape == tuple(shape)
+    else:
+        with pytest.raises(weightmap.FormatError, match=r"\[overflow\]"):
+            weightmap.Checkpoint.open(folder)
+
+
+def test_a_zero_element_tensor_with_a_huge_dimension(tmp_path: Path) -> None:
+    folder = _empty_huge(tmp_path / "ckpt", [0, 2**63])
+    out = tmp_path / "out"
+    mapping = tmp_path / "m.wm"
+    mapping.write_text('weightmap 1\nrename "e" -> "empty"\nkeep "w"\n')
+    result = _run("convert", str(folder), str(out), "--mapping", str(mapping), "--verify")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert _reference_accepts(out / "model.safetensors")
+    with weightmap.Checkpoint.open(out) as c:
+        assert c.tensors["empty"].shape == (0, 2**63)
+    # torch cannot hold the shape: iter_tensors says so before the first tensor, not TypeError.
+    with pytest.raises(weightmap.FormatError, match=r"'e'.*torch.*\[torch-shape\]"):
+        weightmap.iter_tensors(folder, mapping=mapping)
 
 
 # ---------------------------------------------------------------- 10. deep --set values

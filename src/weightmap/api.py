@@ -15,7 +15,7 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import ExecutionError, WeightmapError
 from weightmap.execute.inplace import rewrite_inplace
-from weightmap.execute.memory import iter_outputs
+from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.writer import CheckpointWriter
@@ -262,7 +262,7 @@ def verify(dest: PathLike, plan: Plan, checksums: Mapping[str, int]) -> list[str
                     f"{spec.dtype}{list(spec.shape)}"
                 )
                 continue
-            if name in checksums:
+            if name in checksums and spec.nbytes:
                 view = ckpt.view(name)
                 raw = view.reshape(-1).view(torch.uint8) if view.numel() else None
                 crc = 0 if raw is None else zlib.crc32(raw.numpy().data)
@@ -295,6 +295,7 @@ def iter_tensors(
     ckpt = Checkpoint.open(checkpoint)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()
         raise

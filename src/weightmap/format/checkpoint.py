@@ -7,7 +7,6 @@ kernel) or as a memory-mapped, zero-copy torch view (for transforms).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -27,7 +26,7 @@ from weightmap.format.text import is_utf8, read_json_file
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "TensorLocation", "resolve_shard"]
+__all__ = ["TORCH_DIM_MAX", "Checkpoint", "TensorLocation", "check_torch_shape", "resolve_shard"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,24 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
             rule="shard-escape",
         )
     return path
+
+
+# torch sizes are signed 64-bit; the format's are u64, so an empty tensor may have a
+# dimension torch cannot hold (`[0, 2**63]`).
+TORCH_DIM_MAX = 2**63 - 1
+
+
+def check_torch_shape(name: str, shape: tuple[int, ...], path: Path | None = None) -> None:
+    """Refuse a shape torch cannot represent, with a FormatError (rule ``torch-shape``)."""
+    if any(d > TORCH_DIM_MAX for d in shape):
+        raise FormatError(
+            f"shape {list(shape)[:8]} has a dimension over 2**63 - 1, which the format allows "
+            "but a torch tensor cannot have; convert the checkpoint into a new folder instead "
+            "(the converter never makes a torch tensor of an empty one)",
+            path=path,
+            tensor=name,
+            rule="torch-shape",
+        )
 
 
 class Checkpoint:
@@ -331,13 +348,15 @@ class Checkpoint:
     def view(self, name: str) -> torch.Tensor:
         """A zero-copy torch tensor over the memory-mapped bytes of ``name``.
 
-        The view is valid while the checkpoint is open. F4 tensors come back as
-        ``float4_e2m1fn_x2`` with the last dimension halved (two values per byte); dtypes that
-        torch lacks (F6) come back as raw ``uint8`` bytes.
+        The view stays valid for as long as it is referenced, after :meth:`close` too: it
+        keeps its memory map alive. Copy-on-write, so writing to it never touches the file.
+        F4 tensors come back as ``float4_e2m1fn_x2`` with the last dimension halved (two values
+        per byte); dtypes that torch lacks (F6) come back as raw ``uint8`` bytes.
         """
         import torch
 
         path, info = self._lookup(name)
+        check_torch_shape(name, info.shape, path)
         loc = self.location(name)
         mm = self._map(path)
         if loc.length == 0:
@@ -354,12 +373,13 @@ class Checkpoint:
         return raw.view(dt.torch()).reshape(info.shape)
 
     def close(self) -> None:
-        """Release memory maps. Views handed out earlier must not be used afterwards."""
+        """Let go of the memory maps; views handed out earlier stay valid.
+
+        A view keeps its map alive (torch holds a reference to the buffer it was made from),
+        and the map is unmapped when the last view of it is freed. Unmapping here instead would
+        leave every view pointing at unmapped memory, and reading one would end the process.
+        """
         with self._lock:
-            for mm in self._maps.values():
-                # A view may still export the buffer; the map is then freed with the last view.
-                with contextlib.suppress(BufferError):
-                    mm.close()
             self._maps.clear()
 
     def __enter__(self) -> Checkpoint:

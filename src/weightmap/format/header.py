@@ -121,17 +121,25 @@ def _int_list(value: object) -> list[int] | None:
     return value
 
 
-def _bounded_numel(shape: list[int]) -> int:
-    """numel, but stopping once past U64_MAX: a product of a long list of huge dimensions
-    costs quadratic time (a 2 MB header of them took seconds, a 100 MB one hours)."""
-    if 0 in shape:
-        return 0
+def _numel(shape: list[int]) -> int | None:
+    """numel as the reference implementation counts it, or None where it overflows.
+
+    Dimensions are u64 and the product is taken in order, each step checked: ``[0, 2**70]``
+    and ``[2**32, 2**32, 0]`` are refused there even though they hold no element, so they are
+    refused here (an output of ours must never be one the reference refuses). Stopping at the
+    first overflow also keeps a long list of huge dimensions from costing quadratic time.
+    """
     n = 1
     for d in shape:
         n *= d
-        if n > U64_MAX:
-            break
+        if d > U64_MAX or n > U64_MAX:
+            return None
     return n
+
+
+def _shown(shape: list[int]) -> str:
+    """A shape for messages: a hostile one may list 80,000 dimensions."""
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
 
 
 def _metadata(entry: object, path: str) -> dict[str, str]:
@@ -183,24 +191,29 @@ def _tensor(name: str, entry: object, path: str) -> TensorInfo:
         raise _fail(path, "offsets", f"data_offsets [{begin}, {end}] end before they begin", name)
     if begin > U64_MAX or end > U64_MAX:
         raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
-    count = _bounded_numel(shape)
-    bits = count * DTYPES[dtype_name].bits
-    if count > U64_MAX or bits > U64_MAX:
+    count = _numel(shape)
+    if count is None or count * DTYPES[dtype_name].bits > U64_MAX:
         raise _fail(
-            path, "overflow", f"shape {shape} has more elements than 64 bits can count", name
+            path,
+            "overflow",
+            f"shape {_shown(shape)} has a dimension, or more elements, than 64 bits can count "
+            "(the product is checked step by step, as the reference implementation does)",
+            name,
         )
+    bits = count * DTYPES[dtype_name].bits
     if bits % 8:
         raise _fail(
             path,
             "byte-size",
-            f"{dtype_name} shape {shape} holds {bits} bits, which is not a whole number of bytes",
+            f"{dtype_name} shape {_shown(shape)} holds {bits} bits, which is not a whole number "
+            "of bytes",
             name,
         )
     if end - begin != bits // 8:
         raise _fail(
             path,
             "byte-size",
-            f"data_offsets span {end - begin} bytes but {dtype_name} shape {shape} needs "
+            f"data_offsets span {end - begin} bytes but {dtype_name} shape {_shown(shape)} needs "
             f"{bits // 8}",
             name,
         )
