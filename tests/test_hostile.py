@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,82 @@ def test_a_journal_whose_index_disagrees_is_refused(ckpt: Path) -> None:
     with pytest.raises(CheckpointError, match="does not list the tensors of its headers"):
         weightmap.recover(ckpt)
     assert not (ckpt / "model.safetensors.index.json").exists()
+
+
+# ---------------------------------------------------------------- 6. unremovable destination
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
+needs_user = pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+
+
+def _chattr(flag: str, *paths: Path) -> None:
+    subprocess.run(["chattr", flag, *map(str, paths)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def immutable() -> Iterator[list[Path]]:
+    """Paths the test makes immutable; made mutable again whatever happens."""
+    made: list[Path] = []
+    yield made
+    for p in made:
+        subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+def _make_unremovable(old: Path, how: str, made: list[Path]) -> None:
+    if how == "immutable":
+        try:
+            _chattr("+i", old / "config.json")
+        except (OSError, subprocess.CalledProcessError):
+            pytest.skip("this file system has no immutable flag")
+        made.append(old / "config.json")
+    else:
+        old.chmod(0o555)
+
+
+@pytest.mark.parametrize(
+    "how", [pytest.param("immutable", marks=needs_root), pytest.param("readonly", marks=needs_user)]
+)
+def test_overwrite_of_an_unremovable_destination_is_refused_before_work(
+    ckpt: Path, tmp_path: Path, how: str, immutable: list[Path]
+) -> None:
+    out = tmp_path / "out"
+    weightmap.remap(ckpt, out, mapping='weightmap 1\nkeep "**"\n')
+    _make_unremovable(out, how, immutable)
+    before = _hashes(out)
+    seen: list[int] = []
+    with pytest.raises(weightmap.ExecutionError, match="cannot be replaced") as err:
+        weightmap.remap(
+            ckpt, out, preset="eagle3-sglang", overwrite=True, progress=lambda d, t: seen.append(d)
+        )
+    assert "config.json" in str(err.value) and "nothing was written" in str(err.value)
+    assert seen == []
+    assert _hashes(out) == before
+    assert [p.name for p in tmp_path.iterdir() if "weightmap-tmp" in p.name] == []
+    out.chmod(0o755)
+
+
+@needs_root
+def test_an_old_output_that_cannot_be_removed_after_the_swap_is_reported(
+    ckpt: Path, tmp_path: Path, immutable: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightmap.format import writer
+
+    out = tmp_path / "out"
+    weightmap.remap(ckpt, out, mapping='weightmap 1\nkeep "**"\n')
+    _make_unremovable(out, "immutable", immutable)
+    # Something made it unremovable after the check (a race): the swap happens, then removal
+    # of the old output fails. The report must say where each one is.
+    monkeypatch.setattr(writer, "removal_problem", lambda path: None)
+    with pytest.raises(weightmap.ExecutionError) as err:
+        weightmap.remap(ckpt, out, preset="eagle3-sglang", overwrite=True)
+    message = str(err.value)
+    assert "nothing was written" not in message
+    left = [p for p in tmp_path.iterdir() if "weightmap-tmp" in p.name]
+    assert len(left) == 1 and str(left[0]) in message
+    assert f"{out} holds the new output" in message
+    with weightmap.Checkpoint.open(out) as c:
+        assert "midlayer.self_attn.q_proj.weight" in c.tensors
+    assert (left[0] / "config.json").exists()
 
 
 # ---------------------------------------------------------------- 8. iter_tensors lifetime

@@ -27,6 +27,7 @@ from weightmap.format.atomic import (
     TMP_MARKER,
     fsync_dir,
     is_within,
+    removal_problem,
     remove_path,
     renameat2,
     stale_temporaries,
@@ -86,6 +87,14 @@ class CheckpointWriter:
         if self.dest.exists() and not overwrite:
             raise OutputExistsError(
                 f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+        if self.dest.exists() and (why := removal_problem(self.dest)) is not None:
+            # Checked now: after the swap the new output would be in place and the old one
+            # stuck beside it under a temporary name.
+            raise ExecutionError(
+                f"{self.dest} cannot be replaced: {why}, so the old output could not be "
+                "removed; nothing was written. Make it removable (chmod u+w; chattr -i for an "
+                "immutable file) or choose another destination"
             )
         if self.dest.parent.exists() and not self.dest.parent.is_dir():
             raise ExecutionError(f"{self.dest.parent}: the destination's parent is not a folder")
@@ -299,12 +308,14 @@ class CheckpointWriter:
                 raise FileExistsError(errno.EEXIST, "exists", str(dest))
             elif renameat2(tmp, dest, RENAME_EXCHANGE):
                 # The old destination now sits at the temporary name; remove it.
-                remove_path(tmp)
+                self.tmp = None
+                self._remove_old(tmp)
             else:
                 old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
                 os.rename(dest, old)
                 os.rename(tmp, dest)
-                remove_path(old)
+                self.tmp = None
+                self._remove_old(old)
         except FileExistsError:
             raise OutputExistsError(
                 f"{dest} appeared while this conversion ran (another run into the same "
@@ -317,3 +328,16 @@ class CheckpointWriter:
                 ) from None
             raise
         fsync_dir(dest.parent)
+
+    def _remove_old(self, old: Path) -> None:
+        """Remove the replaced output; if that fails, say exactly where both outputs are."""
+        try:
+            remove_path(old)
+        except OSError as exc:
+            fsync_dir(self.dest.parent)
+            raise ExecutionError(
+                f"{self.dest} holds the new output, complete, but the old output it replaced "
+                f"could not be removed ({exc.strerror}: {exc.filename}); what is left of it is "
+                f"at {old}: remove it once it can be (chmod u+w; chattr -i for an immutable "
+                "file)"
+            ) from exc
