@@ -274,6 +274,65 @@ def test_an_old_output_that_cannot_be_removed_after_the_swap_is_reported(
     assert (left[0] / "config.json").exists()
 
 
+# ---------------------------------------------------------------- 7. verify
+
+
+def _corrupting_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel copy writes one wrong byte into the output (a disk that lies)."""
+    from weightmap.format.writer import CheckpointWriter
+
+    real = CheckpointWriter.copy_range
+
+    def copy_range(self, name, src_fd, src_offset, length, offset=0):  # type: ignore[no-untyped-def]
+        real(self, name, src_fd, src_offset, length, offset)
+        fd, begin, _ = self.target(name)
+        os.pwrite(fd, bytes([~os.pread(src_fd, 1, src_offset)[0] & 0xFF]), begin + offset)
+
+    monkeypatch.setattr(CheckpointWriter, "copy_range", copy_range)
+
+
+def test_a_verify_failure_leaves_nothing_under_the_final_name(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    weightmap.remap(ckpt, out, mapping='weightmap 1\nkeep "**"\n')
+    before = _hashes(out)
+    _corrupting_copy(monkeypatch)
+    # A new destination: never created.
+    with pytest.raises(weightmap.ExecutionError, match="verification failed") as err:
+        weightmap.remap(ckpt, tmp_path / "new", preset="eagle3-sglang", verify=True)
+    assert "bytes differ" in str(err.value) and "nothing was committed" in str(err.value)
+    assert not (tmp_path / "new").exists()
+    # An existing destination with --overwrite: the old output stays as it was.
+    with pytest.raises(weightmap.ExecutionError, match="verification failed"):
+        weightmap.remap(ckpt, out, preset="eagle3-sglang", verify=True, overwrite=True)
+    assert _hashes(out) == before
+    assert [p.name for p in tmp_path.iterdir() if "weightmap-tmp" in p.name] == []
+
+
+def test_verify_without_checksums_never_reports_a_corrupt_output_as_fine(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    result = weightmap.remap(ckpt, out, preset="eagle3-sglang")
+    assert result.checksums == {}
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Without checksums there is nothing to compare the bytes with: refused, not "no problems".
+    with pytest.raises(ValueError, match="checksums"):
+        weightmap.verify(out, result.plan, result.checksums)
+    # With the input, the expected bytes are recomputed.
+    problems = weightmap.verify(out, result.plan, source=ckpt)
+    assert len(problems) == 1 and "bytes differ" in problems[0]
+    # With the checksums of a verified run, as before.
+    good = weightmap.remap(ckpt, tmp_path / "good", preset="eagle3-sglang", verify=True)
+    assert weightmap.verify(tmp_path / "good", good.plan, good.checksums) == []
+    assert weightmap.verify(tmp_path / "good", good.plan, source=ckpt) == []
+    assert len(weightmap.verify(out, good.plan, good.checksums)) == 1
+
+
 # ---------------------------------------------------------------- 8. iter_tensors lifetime
 
 

@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,9 @@ class CheckpointWriter:
         self._files: dict[str, bytes] = {}
         self.tmp: Path | None = None
         self.committed = False
+        # Called with the finished temporary folder just before it is moved into place; an
+        # exception from it discards the output (used to verify before committing).
+        self.before_move: Callable[[Path], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -282,11 +285,15 @@ class CheckpointWriter:
                 data = json.dumps(index, indent=2, sort_keys=True) + "\n"
                 self._write_small(INDEX_NAME, data.encode())
             if self.config is not None:
-                text = json.dumps(self.config, indent=2, ensure_ascii=False) + "\n"
+                # Strict JSON: Python would write NaN, which no JSON reader takes.
+                text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
+                text += "\n"
                 self._write_small(CONFIG_NAME, text.encode("utf-8"))
             for name, blob in self._files.items():
                 self._write_small(name, blob)
             fsync_dir(self.tmp)
+            if self.before_move is not None:
+                self.before_move(self.tmp)
             self._move_into_place(self.tmp)
         except BaseException:
             self.abort()
