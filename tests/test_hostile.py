@@ -526,6 +526,50 @@ def test_a_huge_string_literal_is_refused_before_parsing() -> None:
         weightmap.load_mapping(text)
 
 
+# ---------------------------------------------------------------- 13. unindexed shards
+
+
+def test_a_shard_the_index_leaves_out_is_refused(tmp_path: Path) -> None:
+    folder = _with_metadata(tmp_path / "ckpt", [None, None])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["t1"]  # total_size still counts both shards
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"\[unindexed-shard\]") as err:
+        weightmap.Checkpoint.open(folder)
+    assert "model-00002-of-00002.safetensors" in str(err.value)
+    assert "regenerate the index" in str(err.value)
+    out = tmp_path / "out"
+    result = _run("convert", str(folder), str(out), "--mapping", 'weightmap 1\nkeep "**"\n')
+    assert result.returncode == 1 and "unindexed-shard" in result.stderr
+    assert not out.exists()
+    # A file of another sharding (or a consolidated copy) is not part of this one: ignored.
+    folder2 = _with_metadata(tmp_path / "ckpt2", [None, None])
+    shutil.copy(
+        folder2 / "model-00001-of-00002.safetensors", folder2 / "model-00001-of-00003.safetensors"
+    )
+    shutil.copy(folder2 / "model-00001-of-00002.safetensors", folder2 / "consolidated.safetensors")
+    with weightmap.Checkpoint.open(folder2) as c:
+        assert set(c.tensors) == {"t0", "t1"}
+
+
+def test_an_index_promising_more_bytes_than_its_shards_hold_is_refused(tmp_path: Path) -> None:
+    folder = _with_metadata(tmp_path / "ckpt", [None, None])
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["metadata"]["total_size"] = 10**9  # a shard is missing from folder and index alike
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"\[index-total-size\]") as err:
+        weightmap.Checkpoint.open(folder)
+    assert "1000000000" in str(err.value).replace(",", "")
+    # Writers count total_size as tensor bytes, some as file sizes: both are consistent.
+    files = sum((folder / n).stat().st_size for n in set(index["weight_map"].values()))
+    for total in (16, files, 8):
+        index["metadata"]["total_size"] = total
+        path.write_text(json.dumps(index))
+        with weightmap.Checkpoint.open(folder) as c:
+            assert len(c) == 2
+
+
 # ---------------------------------------------------------------- 14. NaN never written
 
 _CONFIG_PARAM = "weightmap 1\nparam p = 1.5\nunmatched keep\nconfig { value = p }\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -106,6 +107,51 @@ def check_torch_shape(name: str, shape: tuple[int, ...], path: Path | None = Non
             path=path,
             tensor=name,
             rule="torch-shape",
+        )
+
+
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors")
+
+
+def _check_complete(
+    root: Path, index_path: Path, index: dict[str, Any], headers: Mapping[Path, Header]
+) -> None:
+    """Refuse an index that leaves out a shard of its own series, or promises more bytes.
+
+    A tensor the index does not name is never read, so a shard left out of the index would
+    be dropped without a word. A shard belongs to the series when its name has the indexed
+    shards' stem and count (``model-00002-of-00002`` beside ``model-00001-of-00002``); other
+    ``.safetensors`` files (a consolidated copy, another sharding) are not part of it.
+    """
+    series = {
+        (m["stem"], m["n"]) for p in headers if (m := _SHARD_NAME.fullmatch(p.name)) is not None
+    }
+    indexed = {p.name for p in headers}
+    for candidate in sorted(root.glob("*.safetensors")):
+        m = _SHARD_NAME.fullmatch(candidate.name)
+        if m and (m["stem"], m["n"]) in series and candidate.name not in indexed:
+            raise CheckpointError(
+                f"{candidate.name} is in the folder but the index names no tensor in it, so its "
+                f"tensors would be lost; regenerate the index if it belongs to this checkpoint "
+                f"(every tensor listed in {index_path.name}), or move it out of the folder",
+                path=index_path,
+                rule="unindexed-shard",
+            )
+    metadata = index.get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if not isinstance(total, int) or isinstance(total, bool):
+        return
+    # Writers count total_size as the tensor bytes, some as the file sizes: more than the
+    # files hold in all means shards are missing from the index and the folder alike.
+    held = sum(h.file_size for h in headers.values())
+    if total > held:
+        stored = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
+        raise CheckpointError(
+            f"the index's total_size is {total:,} bytes but its shards hold {stored:,} bytes of "
+            f"tensors ({held:,} bytes with headers): shards are missing; download them, or "
+            "correct total_size if the checkpoint is complete",
+            path=index_path,
+            rule="index-total-size",
         )
 
 
@@ -232,6 +278,7 @@ class Checkpoint:
                 path=index_path,
                 rule="index-mismatch",
             )
+        _check_complete(root, index_path, index, ckpt.headers)
         return ckpt
 
     @classmethod
