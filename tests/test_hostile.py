@@ -480,6 +480,87 @@ def test_a_deeply_nested_set_value_is_one_line(ckpt: Path, tmp_path: Path) -> No
     assert not (tmp_path / "out").exists()
 
 
+# ---------------------------------------------------------------- 11. work, not allocations
+
+_BOMB = "[[[[0] * 100] * 100] * 100] * 100"  # 400 list items allocated, 10**8 as values
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        f'keep "**" where {_BOMB} == []',
+        f'require {_BOMB} != [] else "x"\nkeep "**"',
+        f'keep "**"\nconfig {{ bomb = {_BOMB} }}',
+        f'param p = {_BOMB}\nkeep "**"',
+        # The same through other kinds of aliasing: literals, comprehensions, param chains.
+        'keep "**" where len([[[0] * 1000] * 1000 for i in [0] * 1000]) == 0',
+        'param a = [0] * 300000\nparam b = [a, a, a, a]\nkeep "**"',
+        'keep "**"\nconfig { a = [0] * 600000\n b = [config.a, config.a] }',
+        'param a = [0] * 500000\nparam b = [x == a for x in [a] * 400000]\nkeep "**"',
+    ],
+    ids=[
+        "where",
+        "require",
+        "config",
+        "param",
+        "comprehension",
+        "literal",
+        "config-alias",
+        "equality",
+    ],
+)
+def test_the_work_budget_counts_values_as_produced(example: Path, program: str) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightmap.MappingError, match="builds more than 1,000,000"):
+            weightmap.compile(example, mapping="weightmap 1\n" + program + "\n")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 2**20  # 9.7 GB before
+
+
+@pytest.mark.parametrize("statement", ["warn", "require false else"])
+def test_a_message_hole_is_bounded_too(example: Path, statement: str) -> None:
+    import tracemalloc
+
+    program = f'weightmap 1\n{statement} "{{{_BOMB}}}"\nkeep "**"\n'
+    tracemalloc.start()
+    try:
+        # A hole that cannot be rendered within the budget leaves the message as written.
+        if statement == "warn":
+            warnings = weightmap.compile(example, mapping=program).warnings
+        else:
+            with pytest.raises(weightmap.MappingError) as err:
+                weightmap.compile(example, mapping=program)
+            warnings = (str(err.value),)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 2**20
+    assert f"{{{_BOMB}}}" in warnings[0]
+
+
+def test_values_nest_no_deeper_than_json_allows(example: Path) -> None:
+    # A chain of params, each a list of the one before: copying the value into config.json
+    # recursed past the stack (RecursionError).
+    chain = "".join(f"param p{i} = [p{i - 1}]\n" for i in range(1, 1500))
+    program = f"weightmap 1\nparam p0 = [0]\n{chain}unmatched keep\nconfig {{ x = p1499 }}\n"
+    with pytest.raises(weightmap.MappingError, match="nested deeper than 64 levels"):
+        weightmap.compile(example, mapping=program)
+
+
+def test_values_within_the_budget_still_work(example: Path) -> None:
+    program = (
+        "weightmap 1\nparam a = [[0] * 100] * 100\nunmatched keep\n"
+        "config { grid = a\n lengths = [len(row) for row in a] }\n"
+    )
+    plan = weightmap.compile(example, mapping=program)
+    assert plan.config is not None and len(plan.config["grid"]) == 100
+
+
 # ---------------------------------------------------------------- 12. include fan-out, size
 
 
