@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,23 @@ def _journal(root: Path, files: object, index: object = None, config: object = N
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
+needs_user = pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+
+
+def _chattr(flag: str, *paths: Path) -> None:
+    subprocess.run(["chattr", flag, *map(str, paths)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def immutable() -> Iterator[list[Path]]:
+    """Paths the test makes immutable; made mutable again whatever happens."""
+    made: list[Path] = []
+    yield made
+    for p in made:
+        subprocess.run(["chattr", "-i", str(p)], capture_output=True)
 
 
 # ---------------------------------------------------------------- 1. clean writes outside
@@ -164,6 +182,153 @@ def test_a_mapping_file_still_shows_its_syntax_errors(tmp_path: Path) -> None:
     assert "hint: the arrow is written `->`" in result.stderr
 
 
+# ---------------------------------------------------------------- 3. concurrent in-place renames
+
+
+def _sharded(folder: Path, shards: int = 4, per_shard: int = 300) -> Path:
+    """A checkpoint of ``shards`` shards named t0.<i>, with a config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    source = folder.parent / f"{folder.name}-single"
+    source.mkdir()
+    n = shards * per_shard
+    save_file({f"t0.{i}": torch.full((4,), float(i)) for i in range(n)}, source / "w.safetensors")
+    (source / "config.json").write_text(json.dumps({"renamed_by": "t0"}))
+    weightmap.remap(
+        source / "w.safetensors",
+        folder,
+        mapping='weightmap 1\nkeep "**"\n',
+        max_shard_size=per_shard * 16 + 1,
+    )
+    shutil.rmtree(source)
+    assert len(list(folder.glob("model-*.safetensors"))) == shards
+    return folder
+
+
+def _rename_to(prefix: str, source: str = "t") -> str:
+    return (
+        f'weightmap 1\nrename "{source}.{{r*}}" -> "{prefix}.{{r}}"\n'
+        f'config {{ renamed_by = "{prefix}" }}\n'
+    )
+
+
+def _state(root: Path, quiet: bool = True) -> str:
+    """The one name prefix every shard, the index and the config agree on (or an error).
+
+    What one Checkpoint.open read (headers, index, config), and with ``quiet`` (nothing is
+    renaming), the headers on disk now as well.
+    """
+    from weightmap.format.header import read_header
+
+    with weightmap.Checkpoint.open(root) as c:
+        prefixes = {name.split(".")[0] for name in c.tensors}
+        config = c.config
+    assert config is not None
+    assert prefixes == {config["renamed_by"]}, (prefixes, config)
+    if quiet:
+        headers = {n.split(".")[0] for p in root.glob("model-*") for n in read_header(p).tensors}
+        assert headers == prefixes, (headers, prefixes)
+    return str(config["renamed_by"])
+
+
+_RACER = """
+import os, sys, time, weightmap
+root, rules, go = sys.argv[1], sys.argv[2], sys.argv[3]
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.0005)
+try:
+    weightmap.remap(root, mapping=rules, inplace=True)
+    print("ok")
+except weightmap.WeightmapError as exc:
+    print("refused", type(exc).__name__, exc)
+"""
+
+
+def test_two_inplace_renames_at_once_never_mix(tmp_path: Path) -> None:
+    root = _sharded(tmp_path / "ckpt")
+    for round in range(6):
+        go = tmp_path / f"go{round}"
+        state = _state(root)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RACER, str(root), _rename_to(p, state), str(go)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for p in (f"a{round}", f"b{round}")
+        ]
+        for proc in procs:  # both interpreters started, weightmap imported, waiting
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        go.touch()
+        outcomes = [proc.communicate(timeout=120) for proc in procs]
+        for (out, err), proc in zip(outcomes, procs, strict=True):
+            assert proc.returncode == 0, err  # no traceback, no stray OSError
+            assert out.startswith(("ok", "refused")), out
+        winners = [p for (out, _), p in zip(outcomes, ("a", "b"), strict=True) if out == "ok\n"]
+        # The checkpoint is consistent, and holds the names of a process that succeeded.
+        assert len(winners) >= 1, outcomes
+        assert _state(root) in {f"{w}{round}" for w in winners}
+        assert not (root / JOURNAL_NAME).exists()
+
+
+# ---------------------------------------------------------------- 4. a shard that cannot be written
+
+
+@pytest.mark.parametrize(
+    "how", [pytest.param("immutable", marks=needs_root), pytest.param("readonly", marks=needs_user)]
+)
+def test_inplace_rename_checks_every_shard_before_the_first_write(
+    tmp_path: Path, how: str, immutable: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _sharded(tmp_path / "ckpt")
+    shards = sorted(root.glob("model-*.safetensors"))
+    stuck = shards[2]
+    if how == "immutable":
+        try:
+            _chattr("+i", stuck)
+        except (OSError, subprocess.CalledProcessError):
+            pytest.skip("this file system has no immutable flag")
+        immutable.append(stuck)
+    else:
+        stuck.chmod(0o444)
+    before = _hashes(root)
+    with pytest.raises(weightmap.ExecutionError, match="nothing was changed") as err:
+        weightmap.remap(root, mapping=_rename_to("x0", "t0"), inplace=True)
+    assert stuck.name in str(err.value)
+    assert _hashes(root) == before  # no shard rewritten, no journal
+    assert _state(root) == "t0"
+    # A journal left behind by a killed rename, with a shard that cannot be written by the
+    # time `clean` runs: clean refuses before writing, and finishes once it can be written.
+    if how == "immutable":
+        _chattr("-i", stuck)
+    else:
+        stuck.chmod(0o644)
+    from weightmap.execute import inplace
+
+    monkeypatch.setattr(inplace, "_replay", lambda root, journal: None)  # killed right here
+    weightmap.remap(root, mapping=_rename_to("x0", "t0"), inplace=True)
+    monkeypatch.undo()
+    assert (root / JOURNAL_NAME).exists()
+    if how == "immutable":
+        _chattr("+i", stuck)
+    else:
+        stuck.chmod(0o444)
+    before = _hashes(root)
+    result = _run("clean", str(root))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert stuck.name in result.stderr and "nothing was changed" in result.stderr
+    assert _hashes(root) == before
+    if how == "immutable":
+        _chattr("-i", stuck)
+    else:
+        stuck.chmod(0o644)
+    assert _run("clean", str(root)).returncode == 0
+    assert _state(root) == "x0"
+
+
 # ---------------------------------------------------------------- 5. malformed journals
 
 
@@ -199,22 +364,6 @@ def test_a_journal_whose_index_disagrees_is_refused(ckpt: Path) -> None:
 
 
 # ---------------------------------------------------------------- 6. unremovable destination
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
-needs_user = pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-
-
-def _chattr(flag: str, *paths: Path) -> None:
-    subprocess.run(["chattr", flag, *map(str, paths)], check=True, capture_output=True)
-
-
-@pytest.fixture
-def immutable() -> Iterator[list[Path]]:
-    """Paths the test makes immutable; made mutable again whatever happens."""
-    made: list[Path] = []
-    yield made
-    for p in made:
-        subprocess.run(["chattr", "-i", str(p)], capture_output=True)
 
 
 def _make_unremovable(old: Path, how: str, made: list[Path]) -> None:
@@ -708,6 +857,80 @@ def test_json_problem_names_any_field() -> None:
     # Found by the fuzzer: a key with a brace broke the message's formatting.
     assert json_problem({"{p}": [2**300]}) == "holds an integer over 256 bits at `{p}.0`"
     assert json_problem([[0] * 10] * 10, max_values=100) == "holds more than 100 values"
+
+
+# ---------------------------------------------------------------- 15. readers during a rename
+
+_FLIPPER = """
+import sys, weightmap
+root, rounds = sys.argv[1], int(sys.argv[2])
+names = ["t0", "u0"]
+for i in range(rounds):
+    old, new = names[i % 2], names[(i + 1) % 2]
+    weightmap.remap(root, inplace=True, mapping=(
+        f'weightmap 1\\nrename "{old}.{{r*}}" -> "{new}.{{r}}"\\n'
+        f'config {{ renamed_by = "{new}" }}\\n'))
+print("done")
+"""
+
+
+def test_a_reader_never_sees_half_a_rename(tmp_path: Path) -> None:
+    root = _sharded(tmp_path / "ckpt")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _FLIPPER, str(root), "40"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen: set[str] = set()
+    reads = 0
+    try:
+        while writer.poll() is None or reads == 0:
+            # New names with the old config, or "was interrupted" while the writer runs,
+            # both failed here before readers took the lock.
+            seen.add(_state(root, quiet=False))
+            reads += 1
+            time.sleep(0.005)  # readers come and go; an endless stream of them would starve it
+    finally:
+        out, err = writer.communicate(timeout=120)
+    assert writer.returncode == 0 and out == "done\n", err
+    assert seen == {"t0", "u0"}  # both states seen, never a third
+    assert _state(root) == "t0"  # an even number of renames
+
+
+def test_a_reader_waits_for_a_live_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+    import threading
+
+    root = _sharded(tmp_path / "ckpt", shards=2, per_shard=10)
+    # Play a writer in the middle of its rewrite: the folder locked, a journal present.
+    fd = os.open(root, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    (root / JOURNAL_NAME).write_text("{}")
+    opened: list[object] = []
+    reader = threading.Thread(target=lambda: opened.append(_state(root)))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive()  # waiting, not told the rewrite "was interrupted"
+    (root / JOURNAL_NAME).unlink()  # the writer finishes...
+    os.close(fd)  # ...and lets go
+    reader.join(30)
+    assert opened == ["t0"]
+    # A writer that stays away too long: the reader gives up with a clear error.
+    from weightmap.format import lock
+
+    monkeypatch.setattr(lock, "LOCK_WAIT_SECONDS", 0.2)
+    fd = os.open(root, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CheckpointError, match=r"in-place rename.*\[busy\]"):
+            weightmap.Checkpoint.open(root)
+    finally:
+        os.close(fd)
+    # A journal with no live writer is an interrupted rewrite, as before.
+    (root / JOURNAL_NAME).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"\[interrupted-inplace\]"):
+        weightmap.Checkpoint.open(root)
 
 
 # ---------------------------------------------------------------- 16. smaller things

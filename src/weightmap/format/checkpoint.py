@@ -22,6 +22,7 @@ from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.lock import folder_lock
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
@@ -187,19 +188,29 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
-        """Open and validate a checkpoint folder or file."""
+        """Open and validate a checkpoint folder or file.
+
+        Headers, index and config are read under the folder's shared lock (see
+        ``format/lock.py``), so they are all from before or all from after an in-place
+        rename; a rename in progress is waited for.
+        """
         p = Path(path)
         if not p.exists():
             raise CheckpointError("does not exist", path=p, rule="missing")
-        if p.is_file():
-            cls._check_journal(p.parent)
-            return cls._from_files(p.parent, [p], None)
-        if not p.is_dir():
+        if not p.is_file() and not p.is_dir():
             raise CheckpointError(
                 "is neither a file nor a folder; give a checkpoint folder or a .safetensors file",
                 path=p,
                 rule="layout",
             )
+        with folder_lock(p.parent if p.is_file() else p, exclusive=False):
+            return cls._open_unlocked(p)
+
+    @classmethod
+    def _open_unlocked(cls, p: Path) -> Checkpoint:
+        if p.is_file():
+            cls._check_journal(p.parent)
+            return cls._from_files(p.parent, [p], None)
         root = p
         cls._check_journal(root)
         index = root / INDEX_NAME
@@ -229,7 +240,9 @@ class Checkpoint:
 
     @staticmethod
     def _check_journal(root: Path) -> None:
-        if (root / JOURNAL_NAME).exists():
+        # Called under the folder's shared lock: a live writer would hold it exclusively, so
+        # a journal here is one whose writer died.
+        if (root / JOURNAL_NAME).exists() or (root / JOURNAL_NAME).is_symlink():
             raise CheckpointError(
                 "an in-place rewrite of this checkpoint was interrupted; run "
                 f"`weightmap clean {root}` to finish it before reading the checkpoint",
