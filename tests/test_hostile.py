@@ -182,6 +182,22 @@ def test_a_mapping_file_still_shows_its_syntax_errors(tmp_path: Path) -> None:
     assert "hint: the arrow is written `->`" in result.stderr
 
 
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets", "name"])
+def test_header_errors_quote_a_bounded_part_of_the_header(tmp_path: Path, field: str) -> None:
+    from sftools import entry, write_raw
+
+    junk = "x" * 1_000_000
+    header: dict[str, object] = {"w": entry("F32", [1], 0, 4)}
+    if field == "name":
+        header = {junk: {"dtype": "F32", "shape": [1], "data_offsets": [0, 5]}}
+    else:
+        header["w"][field] = junk  # type: ignore[index]
+    path = write_raw(tmp_path / "model.safetensors", header, b"\0" * 4)
+    with pytest.raises(weightmap.FormatError) as err:
+        weightmap.Checkpoint.open(path)
+    assert len(str(err.value)) < 1000
+
+
 # ---------------------------------------------------------------- 3. concurrent in-place renames
 
 

@@ -74,6 +74,12 @@ class Header:
         return 8 + self.header_size
 
 
+def _brief(value: object) -> str:
+    """A value from a header, for a message: bounded, since the header may be 100 MB."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> FormatError:
     return FormatError(message, path=path, tensor=tensor, rule=rule)
 
@@ -96,7 +102,9 @@ def _decode_json(raw: bytes, path: str) -> Any:
         result: dict[str, Any] = {}
         for key, value in pairs:
             if key in result:
-                raise _fail(path, "duplicate-name", f"name {key!r} appears twice in the header")
+                raise _fail(
+                    path, "duplicate-name", f"name {_brief(key)} appears twice in the header"
+                )
             result[key] = value
         return result
 
@@ -172,18 +180,21 @@ def _tensor(name: str, entry: object, path: str) -> TensorInfo:
     dtype_name = entry["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         known = ", ".join(DTYPES)
-        raise _fail(path, "dtype", f"unknown dtype {dtype_name!r} (known: {known})", name)
+        raise _fail(path, "dtype", f"unknown dtype {_brief(dtype_name)} (known: {known})", name)
     shape = _int_list(entry["shape"])
     if shape is None or any(d < 0 for d in shape):
         raise _fail(
-            path, "shape", f"shape {entry['shape']!r} is not a list of non-negative integers", name
+            path,
+            "shape",
+            f"shape {_brief(entry['shape'])} is not a list of non-negative integers",
+            name,
         )
     offsets = _int_list(entry["data_offsets"])
     if offsets is None or len(offsets) != 2 or offsets[0] < 0 or offsets[1] < 0:
         raise _fail(
             path,
             "offsets",
-            f"data_offsets {entry['data_offsets']!r} is not a pair of non-negative integers",
+            f"data_offsets {_brief(entry['data_offsets'])} is not a pair of non-negative integers",
             name,
         )
     begin, end = offsets
