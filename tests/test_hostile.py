@@ -1,5 +1,8 @@
 """Hostile folders, journals and mappings: nothing is written outside the checkpoint, no
-secret is echoed, no traceback. Each test reproduces a reported failure first."""
+secret is echoed, no traceback, no crash, no stuck checkpoint. Sections follow the numbered
+findings they reproduce; each test failed before its fix. Crashes are run in a subprocess, so
+that a segfault fails the test and not the suite; cases that need root (an immutable file)
+or need not to be root (a read-only file) skip otherwise."""
 
 from __future__ import annotations
 

@@ -152,8 +152,9 @@ def remap(
     - ``inplace=True`` rewrites the headers of a rename-only plan where they are (no ``out``).
     - The output is written atomically into ``out`` (a folder); an existing ``out`` is replaced
       only with ``overwrite=True`` and never when it holds the input.
-    - ``verify=True`` re-reads the output and checks names, dtypes, shapes and a checksum of
-      every tensor taken while writing.
+    - ``verify=True`` re-reads the output before it is moved into place and checks names,
+      dtypes, shapes and a checksum of every tensor taken while writing; a failure commits
+      nothing.
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
