@@ -1,4 +1,4 @@
-"""Long-running fuzzer for weightmap's parsers (header, index/config, mapping).
+"""Long-running fuzzer for weightmap's parsers (header, index/config, journal, mapping).
 
 Runs the strategies of ``tests/strategies.py`` against the oracles of ``tests/test_fuzz.py``
 with hypothesis, in chunks, until the time is up; prints the cases run per target, every
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import strategies
 import test_fuzz as tf
 
-TARGETS = ("header", "index", "mapping")
+TARGETS = ("header", "index", "journal", "mapping")
 CHUNK = 200  # examples per hypothesis run; time is checked between runs
 MEMORY_CAP = 4 * 2**30  # address space; a memory bomb becomes a MemoryError (a finding)
 
@@ -46,6 +46,9 @@ def build(
     tf.write_safetensors(single / tf.SINGLE_NAME, {"a.weight": ("F32", [2, 2])})
     work = folder / "header"
     work.mkdir()
+    journal = tf.make_journal_folder(folder / "journal" / "ckpt")
+    includes = folder / "includes"
+    includes.mkdir()
     configs = tf.config_mappings()
     base_specs, base_config = strategies.PROGRAMS[0][1], strategies.PROGRAMS[0][2]
     return {
@@ -62,6 +65,9 @@ def build(
             ("index", strategies.index_docs(), lambda d: tf.index_case(d, sharded)),
             ("config", strategies.config_docs(), lambda d: tf.config_case(d, single, configs)),
         ],
+        "journal": [
+            ("journal", strategies.journal_docs(), lambda d: tf.journal_case(d, journal)),
+        ],
         "mapping": [
             ("text", st.text(max_size=400), lambda t: tf.mapping_case(t, base_specs, base_config)),
             (
@@ -73,6 +79,8 @@ def build(
             ),
             ("mutated", strategies.mutated_programs(), lambda c: tf.mapping_case(*c)),
             ("params", strategies.params_cases(), lambda c: tf.mapping_case(*c)),
+            ("includes", strategies.include_trees(), lambda f: tf.include_case(f, includes)),
+            ("set", strategies.set_values(), tf.set_case),
         ],
     }
 

@@ -609,6 +609,130 @@ def params_cases(draw: st.DrawFn) -> tuple[str, list[TensorSpec], dict[str, Any]
     return text, specs, config, params
 
 
+# ---- journals, include trees and --set values, for fuzzing ---------------------------------------
+# What `weightmap clean` replays (a journal found in a downloaded folder), mappings whose
+# includes fan out, and the text of `--set KEY=VALUE`.
+
+
+def header_json(tensors: dict[str, tuple[str, list[int]]]) -> bytes:
+    """The header JSON of a file of these tensors back to back, padded to a multiple of 8."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * DTYPES[dtype].bits // 8
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+RENAMES = {
+    "upper": str.upper,
+    "title": str.title,
+    "swap": lambda n: {"a": "b", "b": "a"}.get(n[0], n[0]) + n[1:],
+}
+
+
+def valid_journal(style: str = "upper") -> dict[str, Any]:
+    """The journal of renaming SHARDS' tensors by ``style`` (a key of RENAMES), as weightmap
+    writes it: same-length names, so each new header fits the old one's bytes exactly."""
+    import base64
+
+    rename = RENAMES[style]
+    files = {
+        shard: base64.b64encode(header_json({rename(n): spec for n, spec in ts.items()})).decode()
+        for shard, ts in SHARDS.items()
+    }
+    weight_map = {rename(n): shard for shard, ts in SHARDS.items() for n in ts}
+    index = json.dumps({**VALID_INDEX, "weight_map": weight_map}, indent=2, sort_keys=True)
+    return {"files": files, "index": index + "\n", "config": '{"renamed": true}\n'}
+
+
+JOURNAL_NAMES: list[Any] = [
+    *HOSTILE_SHARD_NAMES,
+    "config.json",
+    "model.safetensors.index.json",
+    ".weightmap-inplace-journal.json",
+    "/tmp/victim.safetensors",
+    "../victim.safetensors",
+]
+
+
+@st.composite
+def journal_docs(draw: st.DrawFn) -> bytes:
+    """Journals: weightmap's own, damaged; hostile shard names and headers; random JSON, bytes."""
+    import base64
+
+    kind = draw(st.sampled_from(["valid", "mutate", "mutate", "names", "fields", "json", "bytes"]))
+    if kind == "json":
+        return dumps_loose(draw(json_values()))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300))
+    doc = valid_journal(draw(st.sampled_from(sorted(RENAMES))))
+    if kind == "mutate":
+        return draw(mutated_json(doc))
+    if kind == "names":
+        headers = st.one_of(
+            st.sampled_from(list(doc["files"].values())),
+            st.binary(max_size=80).map(lambda b: base64.b64encode(b).decode()),
+            st.text(max_size=20),
+        )
+        keys = [n for n in JOURNAL_NAMES if isinstance(n, str)]  # JSON keys are strings
+        names = st.one_of(st.sampled_from(keys), st.sampled_from(sorted(SHARDS)))
+        doc["files"] = draw(st.dictionaries(names, headers, min_size=1, max_size=4))
+    else:
+        field = draw(st.sampled_from(["files", "index", "config"]))
+        doc[field] = draw(
+            st.one_of(
+                json_values(8),
+                st.sampled_from(['{"weight_map": {}}', "[]", "NaN", '{"a": 1}', "{", ""]),
+            )
+        )
+    return dumps_loose(doc)
+
+
+@st.composite
+def include_trees(draw: st.DrawFn) -> dict[str, str]:
+    """Mapping files (``f0.wm`` is the main one) that include each other: fan-out, cycles,
+    presets, missing and special files."""
+    n = draw(st.integers(1, 8))
+    files = {}
+    for i in range(n):
+        lines = ["weightmap 1"]
+        for _ in range(draw(st.integers(0, 5))):
+            kind = draw(st.sampled_from(["include", "include", "include", "rule", "param", "junk"]))
+            if kind == "include":
+                target = draw(
+                    st.one_of(
+                        st.integers(0, n).map(lambda j: f"f{j}.wm"),
+                        st.sampled_from(["eagle3-sglang", "/dev/zero", "../f0.wm", "sub/", ""]),
+                    )
+                )
+                lines += [f'include "{target}"'] * draw(st.integers(1, 3))
+            elif kind == "rule":
+                lines.append(draw(st.sampled_from(['keep? "**"', 'drop? "a.*"', "unmatched keep"])))
+            elif kind == "param":
+                lines.append(f"param p{i} = [0] * {draw(st.sampled_from([1, 1000, 10**6]))}")
+            else:
+                lines.append(draw(st.text(max_size=20)))
+        files[f"f{i}.wm"] = "\n".join(lines) + "\n"
+    return files
+
+
+def set_values() -> st.SearchStrategy[str]:
+    """The VALUE of `--set KEY=VALUE`: JSON (loose), deep brackets, non-finite numbers, text."""
+    return st.one_of(
+        st.text(max_size=30),
+        json_values(10).map(lambda v: dumps_loose(v).decode("utf-8", "surrogatepass")),
+        st.integers(1, 6000).map(lambda d: "[" * d + "]" * d),
+        st.integers(1, 6000).map(lambda d: '{"a":' * d + "1" + "}" * d),
+        st.sampled_from(
+            ["NaN", "-NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "[1, NaN]",
+             '{"a": Infinity}', "9" * 5000, "0.1e99999", '"\\ud800"', "[[[[", "]]]]"]
+        ),
+    )  # fmt: skip
+
+
 # ---- mapping programs for the property tests -----------------------------------------------------
 # One rule of every kind over a random tensor block: streaming vs. in-memory reference.
 

@@ -36,16 +36,22 @@ from strategies import (
     config_docs,
     header_entries,
     header_files,
+    header_json,
+    include_trees,
     index_docs,
+    journal_docs,
     mutated_programs,
     params_cases,
+    set_values,
+    valid_journal,
 )
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import FormatError, MappingError, WeightmapError
+from weightmap.execute.inplace import recover
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.header import MAX_HEADER_SIZE, Header, parse_header, read_header
-from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.language.mapping import Mapping, load_mapping
 from weightmap.plan.plan import Plan
 
@@ -165,15 +171,9 @@ def mapping_case(
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> Path:
     """A valid safetensors file of zero-filled tensors."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, (dtype, shape) in tensors.items():
-        size = math.prod(shape) * DTYPES[dtype].bits // 8
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    raw = header_json(tensors)
+    size = sum(math.prod(shape) * DTYPES[dtype].bits // 8 for dtype, shape in tensors.values())
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(size))
     return path
 
 
@@ -230,6 +230,81 @@ def config_case(
             check_plan(plan)
 
 
+def _tree_hashes(*roots: Path) -> dict[str, bytes]:
+    out = {}
+    for root in roots:
+        for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if p.is_file() and not p.is_symlink() and p.name != JOURNAL_NAME:
+                out[str(p)] = p.read_bytes()
+    return out
+
+
+def make_journal_folder(folder: Path) -> Path:
+    """A sharded checkpoint with its index and config, whose journal gets fuzzed, and a
+    victim file beside it that no journal may touch."""
+    make_sharded(folder)
+    (folder / INDEX_NAME).write_text(json.dumps(VALID_INDEX))
+    (folder / CONFIG_NAME).write_text('{"renamed": false}')
+    (folder.parent / "victim.safetensors").write_bytes(b"precious")
+    return folder
+
+
+def journal_case(doc: bytes, folder: Path) -> None:
+    """Target `journal`: ``doc`` as the journal; `clean` replays it or refuses it, and never
+    writes outside the folder. The checkpoint is restored first."""
+    for shard, tensors in SHARDS.items():
+        write_safetensors(folder / shard, tensors)
+    (folder / INDEX_NAME).write_text(json.dumps(VALID_INDEX))
+    (folder / CONFIG_NAME).write_text('{"renamed": false}')
+    (folder / JOURNAL_NAME).write_bytes(doc)
+    outside = _tree_hashes(
+        folder.parent / "victim.safetensors", folder.parent / "outside.safetensors"
+    )
+    before = _tree_hashes(folder)
+    replayed = ours(lambda: recover(folder))
+    assert (
+        _tree_hashes(folder.parent / "victim.safetensors", folder.parent / "outside.safetensors")
+        == outside
+    )
+    if replayed:
+        assert not (folder / JOURNAL_NAME).exists()
+        ckpt = ours(lambda: Checkpoint.open(folder))
+        if ckpt is not None:
+            ckpt.close()
+    else:
+        # Refused: not a byte written.
+        assert _tree_hashes(folder) == before
+
+
+def include_case(files: dict[str, str], folder: Path) -> Mapping | None:
+    """Target `mapping` (includes): the files written, ``f0.wm`` loaded."""
+    for old in folder.glob("*.wm"):
+        old.unlink()
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8", errors="surrogatepass")
+    return ours(lambda: load_mapping(folder / "f0.wm"))
+
+
+SET_MAPPING = "weightmap 1\nparam p = null\nunmatched keep\nconfig { value = p }\n"
+
+
+def set_case(value: str) -> None:
+    """Target `mapping` (--set): the VALUE parsed as the command line does, then written into
+    config.json by a mapping; what compiles must be strict JSON."""
+    from weightmap.cli import UsageError, _params
+
+    with time_limit():
+        try:
+            params = _params([f"p={value}"])
+        except UsageError:
+            return
+    mapping = load_mapping(SET_MAPPING, name="set.wm")
+    plan = ours(lambda: compile_plan(mapping, [TensorSpec("a", "F32", (1,))], {}, params=params))
+    if plan is not None:
+        check_plan(plan)
+        json.dumps(plan.config, allow_nan=False)
+
+
 # ---------------------------------------------------------------- hypothesis tests
 
 
@@ -251,6 +326,12 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("fuzz-config")
     write_safetensors(folder / SINGLE_NAME, {"a.weight": ("F32", [2, 2])})
     return folder
+
+
+@pytest.fixture(scope="module")
+def journal_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose journal gets fuzzed (restored before each example)."""
+    return make_journal_folder(tmp_path_factory.mktemp("fuzz-journal") / "ckpt")
 
 
 def config_mappings() -> list[tuple[Mapping, list[TensorSpec]]]:
@@ -310,6 +391,31 @@ def test_fuzz_valid_index_opens(sharded: Path) -> None:
 @given(config=config_docs())
 def test_fuzz_config(single: Path, config: bytes) -> None:
     config_case(config, single, _CONFIG_MAPPINGS)
+
+
+@settings(CI, max_examples=200)
+@given(doc=journal_docs())
+def test_fuzz_journal(journal_folder: Path, doc: bytes) -> None:
+    journal_case(doc, journal_folder)
+
+
+def test_fuzz_valid_journal_replays(journal_folder: Path) -> None:
+    journal_case(json.dumps(valid_journal("upper")).encode(), journal_folder)
+    with Checkpoint.open(journal_folder) as ckpt:
+        assert set(ckpt) == {n.upper() for ts in SHARDS.values() for n in ts}
+        assert ckpt.config == {"renamed": True}
+
+
+@settings(CI, max_examples=200)
+@given(files=include_trees())
+def test_fuzz_include_trees(workdir: Path, files: dict[str, str]) -> None:
+    include_case(files, workdir)
+
+
+@CI
+@given(value=set_values())
+def test_fuzz_set_values(value: str) -> None:
+    set_case(value)
 
 
 @CI
@@ -544,9 +650,12 @@ def test_fuzz_oracle_flags_foreign_errors() -> None:
     assert ours(lambda: (_ for _ in ()).throw(FormatError("x"))) is None
 
 
-@pytest.mark.parametrize("target", ["/dev/zero", "/proc/self/status.wm"])
-def test_include_of_a_special_file_is_refused(target: str) -> None:
-    with pytest.raises(MappingError, match="not a regular file"):
+@pytest.mark.parametrize(
+    ("target", "why"),
+    [("/dev/zero", "not a regular file"), ("/proc/self/status.wm", "No such file")],
+)
+def test_include_of_a_special_file_is_refused(target: str, why: str) -> None:
+    with pytest.raises(MappingError, match=why):
         load_mapping(f'weightmap 1\ninclude "{target}"\n')
 
 

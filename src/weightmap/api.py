@@ -15,8 +15,9 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import ExecutionError, WeightmapError
 from weightmap.execute.inplace import rewrite_inplace
-from weightmap.execute.memory import iter_outputs
-from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
+from weightmap.execute.kernels import evaluate
+from weightmap.execute.memory import check_torch_shapes, iter_outputs
+from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
@@ -151,8 +152,9 @@ def remap(
     - ``inplace=True`` rewrites the headers of a rename-only plan where they are (no ``out``).
     - The output is written atomically into ``out`` (a folder); an existing ``out`` is replaced
       only with ``overwrite=True`` and never when it holds the input.
-    - ``verify=True`` re-reads the output and checks names, dtypes, shapes and a checksum of
-      every tensor taken while writing.
+    - ``verify=True`` re-reads the output before it is moved into place and checks names,
+      dtypes, shapes and a checksum of every tensor taken while writing; a failure commits
+      nothing.
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
@@ -185,8 +187,6 @@ def remap(
             plan, ckpt, out, progress, max_shard_size, overwrite, workers, chunk_bytes, verify
         )
     dest = Path(out)
-    if verify:
-        _verify(plan, dest, stats)
     return Result(
         plan=plan,
         dest=dest,
@@ -213,6 +213,17 @@ def _write(
     """Run the streaming executor with the progress display the caller asked for."""
     total = sum(s.nbytes for s in plan.output_specs())
     tick, close = _progress_fn(progress, total)
+
+    def check(folder: Path, stats: ExecutionStats) -> None:
+        # The finished output, before it is moved into place: a failure commits nothing.
+        problems = verify(folder, plan, stats.checksums or {})
+        if problems:
+            raise ExecutionError(
+                f"{out}: verification failed: {'; '.join(problems[:5])}"
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                + "; nothing was committed (the destination was left as it was)"
+            )
+
     try:
         return execute(
             plan,
@@ -224,51 +235,93 @@ def _write(
             chunk_bytes=chunk_bytes,
             checksum=checksum,
             progress=tick,
+            metadata={"format": "pt", **ckpt.metadata},
+            before_commit=check if checksum else None,
         )
     finally:
         close()
 
 
-def _verify(plan: Plan, dest: Path, stats: ExecutionStats) -> None:
-    problems = verify(dest, plan, stats.checksums or {})
-    if problems:
-        raise ExecutionError(
-            f"{dest}: verification failed: {'; '.join(problems[:5])}"
-            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-        )
-
-
-def verify(dest: PathLike, plan: Plan, checksums: Mapping[str, int]) -> list[str]:
+def verify(
+    dest: PathLike,
+    plan: Plan,
+    checksums: Mapping[str, int] | None = None,
+    *,
+    source: PathLike | Checkpoint | None = None,
+) -> list[str]:
     """Re-read a written checkpoint; the list of ways it differs from ``plan`` (empty if none).
 
-    ``checksums`` maps output names to the CRC-32 of their bytes, as ``Result.checksums`` holds.
+    Names, dtypes, shapes and config.json are compared with the plan. Bytes are compared with
+    ``checksums`` (output name -> CRC-32, as ``Result.checksums`` holds after ``verify=True``)
+    or, given ``source`` (the input checkpoint), with the outputs recomputed from it. Without
+    either for every output that has bytes there is nothing to compare the bytes with, and
+    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine.
+
+    >>> result = remap(src, "out", preset="eagle3-sglang", verify=True)   # doctest: +SKIP
+    >>> verify("out", result.plan, result.checksums)                      # doctest: +SKIP
+    []
+    >>> verify("out", result.plan, source=src)                            # doctest: +SKIP
+    []
     """
+    checksums = dict(checksums or {})
+    if source is None:
+        unchecked = [s.name for s in plan.output_specs() if s.nbytes and s.name not in checksums]
+        if unchecked:
+            raise ValueError(
+                f"no checksum for {len(unchecked)} output(s) (first: {unchecked[0]!r}), so their "
+                "bytes cannot be verified: pass the checksums of a run with verify=True "
+                "(Result.checksums), or source= the input checkpoint to recompute them"
+            )
+    elif isinstance(source, Checkpoint):
+        checksums = _recomputed(plan, source)
+    else:
+        with Checkpoint.open(source) as ckpt:
+            checksums = _recomputed(plan, ckpt)
+    with Checkpoint.open(dest) as ckpt:
+        return _differences(plan, ckpt, checksums)
+
+
+def _crc(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes as stored, without copying a view of the file."""
     import torch
 
+    if t.numel() == 0:
+        return 0
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
+
+
+def _recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
+    """Each output's CRC-32, computed from the input one tensor at a time."""
+    check_inputs(plan, ckpt)
+    return {
+        out.name: _crc(evaluate(out.node, ckpt.view, out.name))
+        for out in plan.outputs
+        if out.spec.nbytes
+    }
+
+
+def _differences(plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int]) -> list[str]:
     problems: list[str] = []
-    with Checkpoint.open(dest) as ckpt:
-        expected = {s.name: s for s in plan.output_specs()}
-        found = {s.name: s for s in ckpt.specs()}
-        problems += [f"{n!r} is missing" for n in expected if n not in found]
-        problems += [f"{n!r} is unexpected" for n in found if n not in expected]
-        for name, spec in expected.items():
-            got = found.get(name)
-            if got is None:
-                continue
-            if got != spec:
-                problems.append(
-                    f"{name!r} is {got.dtype}{list(got.shape)}, planned "
-                    f"{spec.dtype}{list(spec.shape)}"
-                )
-                continue
-            if name in checksums:
-                view = ckpt.view(name)
-                raw = view.reshape(-1).view(torch.uint8) if view.numel() else None
-                crc = 0 if raw is None else zlib.crc32(raw.numpy().data)
-                if crc != checksums[name]:
-                    problems.append(f"{name!r} bytes differ from what was written")
-        if plan.config is not None and ckpt.config != plan.config:
-            problems.append("config.json differs from the plan's")
+    expected = {s.name: s for s in plan.output_specs()}
+    found = {s.name: s for s in ckpt.specs()}
+    problems += [f"{n!r} is missing" for n in expected if n not in found]
+    problems += [f"{n!r} is unexpected" for n in found if n not in expected]
+    for name, spec in expected.items():
+        got = found.get(name)
+        if got is None:
+            continue
+        if got != spec:
+            problems.append(
+                f"{name!r} is {got.dtype}{list(got.shape)}, planned {spec.dtype}{list(spec.shape)}"
+            )
+            continue
+        if spec.nbytes and _crc(ckpt.view(name)) != checksums[name]:
+            problems.append(f"{name!r} bytes differ from what was written")
+    if plan.config is not None and ckpt.config != plan.config:
+        problems.append("config.json differs from the plan's")
     return problems
 
 
@@ -294,6 +347,7 @@ def iter_tensors(
     ckpt = Checkpoint.open(checkpoint)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()
         raise

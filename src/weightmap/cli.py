@@ -8,6 +8,7 @@ data problems such as malformed files or a diff that finds differences); ``--deb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,12 +18,13 @@ from typing import Any
 
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, remap
-from weightmap.errors import MappingError, MappingSyntaxError, WeightmapError
+from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
 from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME
+from weightmap.format.text import JsonRefused, json_problem, strict_json
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
 from weightmap.plan.plan import Plan
@@ -44,14 +46,24 @@ def _human(n: int) -> str:
 
 
 def _params(items: Sequence[str] | None) -> dict[str, Any]:
-    """``--set KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON, else a string."""
+    """``--set KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON, else a string.
+
+    What Python's json would read but JSON does not have (``NaN``, ``Infinity``, ``1e400``,
+    nesting thousands deep) is refused: it could only end up as non-JSON in config.json.
+    """
     out: dict[str, Any] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise UsageError(f"--set takes KEY=VALUE, got {item!r}")
+            raise UsageError(f"--set takes KEY=VALUE, got {item[:80]!r}")
         try:
-            out[key.strip()] = json.loads(value)
+            out[key.strip()] = strict_json(value)
+        except JsonRefused as why:
+            shown = value if len(value) <= 40 else value[:40] + "..."
+            raise UsageError(
+                f"--set {key.strip()}={shown}: {why}; give a finite, shallow JSON value, or "
+                f"quote it to pass a string: --set '{key.strip()}=\"{shown}\"'"
+            ) from None
         except ValueError:
             out[key.strip()] = value
     return out
@@ -65,7 +77,8 @@ def _mapping_of(args: argparse.Namespace) -> Mapping:
 
 def _named_mapping(spec: str) -> Mapping:
     """A command's MAPPING argument: a mapping file if one exists there, else a preset name."""
-    if Path(spec).is_file():
+    if Path(spec).exists() and not Path(spec).is_dir():
+        # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
     return resolve_mapping(preset=spec)
 
@@ -147,7 +160,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 "total_bytes": total,
                 "config": ckpt.config,
             }
-            print(json.dumps(doc, indent=2))
+            why = json_problem(doc["config"])
+            if why is not None:
+                # Python's json would print NaN or Infinity, which no JSON reader takes.
+                raise CheckpointError(
+                    f"config.json {why}; inspect --json prints strict JSON only: fix config.json "
+                    "(or inspect without --json)",
+                    path=ckpt.root,
+                    rule="config",
+                )
+            print(json.dumps(doc, indent=2, allow_nan=False))
             return 0
         rows.sort(key=lambda r: r[0])
         shapes = [str(r[2]) for r in rows]
@@ -338,7 +360,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = args.debug or os.environ.get("WEIGHTMAP_DEBUG", "") not in ("", "0")
     try:
         code: int = args.func(args)
+        # Flushed here, not at exit, so that a closed pipe is caught below.
+        sys.stdout.flush()
         return code
+    except BrokenPipeError:
+        # `weightmap inspect ... | head` closes the pipe early; that is not an error. Whatever
+        # is still buffered has nowhere to go: point stdout at /dev/null so that the flush at
+        # interpreter exit does not fail again.
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 0
     except (UsageError, MappingSyntaxError, MappingError) as exc:
         if debug:
             raise
@@ -359,10 +392,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("weightmap: interrupted; nothing was committed", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # `weightmap inspect ... | head` closes the pipe early; that is not an error.
-        sys.stderr.close()
-        return 0
 
 
 if __name__ == "__main__":

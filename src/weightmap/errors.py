@@ -55,7 +55,8 @@ class FormatError(WeightmapError, ValueError):
         self.rule = rule
         self.detail = message
         where = f"{self.path}: " if self.path else ""
-        what = f"tensor {tensor!r}: " if tensor is not None else ""
+        shown = repr(tensor) if tensor is None or len(tensor) <= 200 else repr(tensor[:200]) + "..."
+        what = f"tensor {shown}: " if tensor is not None else ""
         super().__init__(f"{where}{what}{message} [{rule}]")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import json
 import os
 import struct
@@ -31,8 +32,9 @@ from typing import Any
 from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanError
 from weightmap.format.atomic import TMP_MARKER, fsync_dir
 from weightmap.format.checkpoint import Checkpoint, resolve_shard
-from weightmap.format.header import MAX_HEADER_SIZE, parse_header
+from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
+from weightmap.format.lock import folder_lock
 from weightmap.format.text import read_json_file
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
@@ -109,31 +111,96 @@ def inplace_headers(plan: Plan, ckpt: Checkpoint) -> dict[Path, bytes]:
 
 
 def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
-    """Apply a rename-only plan to ``ckpt``'s files in place; returns the files changed."""
+    """Apply a rename-only plan to ``ckpt``'s files in place; returns the files changed.
+
+    Under the folder's exclusive lock, before the first write: the checkpoint must still be
+    the one the plan was made from (another rename may have finished in between), and every
+    file to be rewritten or replaced must be writable.
+    """
     headers = inplace_headers(plan, ckpt)
     root = ckpt.root
-    journal: dict[str, Any] = {
-        "files": {p.name: base64.b64encode(h).decode() for p, h in headers.items()},
-        "index": None,
-        "config": None,
-    }
-    if ckpt.index_path is not None:
-        weight_map = {
-            out.name: ckpt.file_of(out.node.sources()[0].name).name for out in plan.outputs
+    with folder_lock(root, exclusive=True):
+        _check_unchanged(ckpt)
+        journal: dict[str, Any] = {
+            "files": {p.name: base64.b64encode(h).decode() for p, h in headers.items()},
+            "index": None,
+            "config": None,
         }
-        old = json.loads(ckpt.index_path.read_text())
-        old["weight_map"] = dict(sorted(weight_map.items()))
-        journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
-    if plan.config is not None and plan.config != ckpt.config:
-        journal["config"] = json.dumps(plan.config, indent=2, ensure_ascii=False) + "\n"
-    # Data unchanged since the plan was made? The header sizes are what we overwrite.
-    for path, header in ckpt.headers.items():
-        if path.stat().st_size != header.file_size:
-            raise ExecutionError(f"{path}: file changed since its header was read")
-    _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
-    fsync_dir(root)
-    _replay(root, Journal(dict(headers), journal["index"], journal["config"]))
+        if ckpt.index_path is not None:
+            weight_map = {
+                out.name: ckpt.file_of(out.node.sources()[0].name).name for out in plan.outputs
+            }
+            old = json.loads(ckpt.index_path.read_text())
+            old["weight_map"] = dict(sorted(weight_map.items()))
+            journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
+        if plan.config is not None and plan.config != ckpt.config:
+            journal["config"] = (
+                json.dumps(plan.config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+            )
+        work = Journal(dict(headers), journal["index"], journal["config"])
+        _check_writable(root, work, "rename in place")
+        try:
+            _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
+            fsync_dir(root)
+        except OSError as exc:
+            raise ExecutionError(
+                f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
+            ) from exc
+        _replay(root, work)
     return list(headers)
+
+
+def _check_unchanged(ckpt: Checkpoint) -> None:
+    """Refuse if the checkpoint differs from when ``ckpt`` was opened (its headers as read)."""
+    root = ckpt.root
+    if (root / JOURNAL_NAME).exists():
+        raise CheckpointError(
+            "an in-place rewrite of this checkpoint was interrupted; run "
+            f"`weightmap clean {root}` to finish it first",
+            path=root,
+            rule="interrupted-inplace",
+        )
+    for path, header in ckpt.headers.items():
+        try:
+            now = read_header(path)
+        except FormatError:
+            now = None
+        if now != header or now is None or now.mtime_ns != header.mtime_ns:
+            raise ExecutionError(
+                f"{path}: the file changed since the checkpoint was opened (another in-place "
+                "rename?); nothing was changed: run the rename again"
+            )
+
+
+def _check_writable(root: Path, journal: Journal, what: str) -> None:
+    """Every file the journal rewrites or replaces must be writable, before the first write.
+
+    Shards are rewritten where they are, so each must open for writing; the index and config
+    are replaced by rename, which only an immutable or append-only file refuses (EPERM); the
+    journal itself is written in the folder.
+    """
+    problems: list[str] = []
+    for path in journal.files:
+        try:
+            os.close(os.open(path, os.O_WRONLY))
+        except OSError as exc:
+            problems.append(f"{path.name} ({exc.strerror})")
+    for name, text in ((INDEX_NAME, journal.index), (CONFIG_NAME, journal.config)):
+        if text is None or not (root / name).exists():
+            continue
+        try:
+            os.close(os.open(root / name, os.O_WRONLY))
+        except OSError as exc:
+            if exc.errno == errno.EPERM:
+                problems.append(f"{name} ({exc.strerror})")
+    if not os.access(root, os.W_OK | os.X_OK):
+        problems.append("the folder itself (the journal is written there)")
+    if problems:
+        raise ExecutionError(
+            f"{root}: cannot {what}: cannot write {', '.join(problems[:5])}; nothing was "
+            "changed. Make them writable (chmod u+w; chattr -i for an immutable file), or "
+            "convert into a new folder"
+        )
 
 
 def _replay(root: Path, journal: Journal) -> None:
@@ -276,7 +343,12 @@ def recover(root: str | os.PathLike[str]) -> bool:
     refused with a :class:`~weightmap.errors.CheckpointError` and nothing is written.
     """
     folder = Path(root)
-    if not (folder / JOURNAL_NAME).exists() and not (folder / JOURNAL_NAME).is_symlink():
-        return False
-    _replay(folder, read_journal(folder))
+    with folder_lock(folder, exclusive=True):
+        # Checked under the lock: a rename that was running when we were called has finished
+        # (and removed its journal) by the time we hold it.
+        if not (folder / JOURNAL_NAME).exists() and not (folder / JOURNAL_NAME).is_symlink():
+            return False
+        journal = read_journal(folder)
+        _check_writable(folder, journal, "finish the interrupted rename")
+        _replay(folder, journal)
     return True

@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.kernels import evaluate
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.checkpoint import Checkpoint, check_torch_shape
+from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["execute_in_memory", "iter_outputs"]
+__all__ = ["check_torch_shapes", "execute_in_memory", "iter_outputs"]
 
 
 def execute_in_memory(
@@ -25,6 +27,14 @@ def execute_in_memory(
     """Apply a plan to fully loaded tensors, yielding ``(output name, tensor)`` in plan order."""
     for out in plan.outputs:
         yield out.name, evaluate(out.node, tensors.__getitem__, out.name)
+
+
+def check_torch_shapes(plan: Plan) -> None:
+    """Refuse, before any tensor is made, a plan with a shape torch cannot hold."""
+    for out in plan.outputs:
+        for node in tree_nodes(out.node):
+            where = node.name if isinstance(node, Source) else out.name
+            check_torch_shape(where, node.shape)
 
 
 def iter_outputs(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:

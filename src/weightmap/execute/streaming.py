@@ -333,8 +333,13 @@ def execute(
     progress: ProgressFn | None = None,
     metadata: dict[str, str] | None = None,
     extra_files: Sequence[tuple[str, bytes]] = (),
+    before_commit: Callable[[Path, ExecutionStats], None] | None = None,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
-    """Write ``plan`` applied to ``ckpt`` into ``dest`` atomically; see the module docstring."""
+    """Write ``plan`` applied to ``ckpt`` into ``dest`` atomically; see the module docstring.
+
+    ``before_commit(folder, stats)`` is called with the finished temporary folder before it is
+    moved into place; if it raises, nothing is committed (``remap`` verifies there).
+    """
     check_inputs(plan, ckpt)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -353,6 +358,9 @@ def execute(
     for fname, blob in extra_files:
         writer.add_file(fname, blob)
     runner = _Runner(ckpt, writer, chunk_bytes, checksum, progress)
+    if before_commit is not None:
+        check = before_commit
+        writer.before_move = lambda folder: check(folder, runner.stats)
     try:
         with writer:
             # Biggest tensors first, so one large tensor does not finish last on its own.

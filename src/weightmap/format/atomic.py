@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "TMP_MARKER",
     "fsync_dir",
     "is_within",
+    "removal_problem",
     "remove_path",
     "renameat2",
     "stale_temporaries",
@@ -65,6 +67,50 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+# Linux inode flags (FS_IOC_GETFLAGS): an immutable or append-only file cannot be removed, not
+# even by root, and neither can anything in an immutable or append-only folder.
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IMMUTABLE_FL = 0x10
+_FS_APPEND_FL = 0x20
+
+
+def _pinned(path: Path) -> bool:
+    """True when ``path`` is marked immutable or append-only (False where that is unknown)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # a link, or unreadable: its flags cannot be read, and need not be
+        return False
+    try:
+        buf = fcntl.ioctl(fd, _FS_IOC_GETFLAGS, b"\0" * 8)
+    except OSError:  # not Linux, or a file system without these flags
+        return False
+    finally:
+        os.close(fd)
+    return bool(int.from_bytes(buf[:4], "little") & (_FS_IMMUTABLE_FL | _FS_APPEND_FL))
+
+
+def removal_problem(path: Path) -> str | None:
+    """Why ``path`` (a file, link or folder tree) could not be removed, or None if it can.
+
+    Checked before an overwrite swaps the old output out, so that a destination that cannot
+    be removed is refused before any work instead of being left beside the new one: every
+    folder in the tree must be readable, writable and searchable (``os.access``, which also
+    says no for an immutable folder, even to root), and no entry may be immutable or
+    append-only.
+    """
+    if path.is_symlink() or not path.is_dir():
+        return f"{path} is immutable or append-only" if _pinned(path) else None
+    if _pinned(path):
+        return f"{path} is immutable or append-only"
+    for folder, dirs, files in os.walk(path):
+        if not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+            return f"folder {folder} is not writable"
+        for name in files + dirs:
+            if _pinned(Path(folder) / name):
+                return f"{Path(folder) / name} is immutable or append-only"
+    return None
 
 
 RENAME_NOREPLACE = 1

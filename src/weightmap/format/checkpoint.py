@@ -7,10 +7,10 @@ kernel) or as a memory-mapped, zero-copy torch view (for transforms).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -22,12 +22,13 @@ from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.lock import folder_lock
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "TensorLocation", "resolve_shard"]
+__all__ = ["TORCH_DIM_MAX", "Checkpoint", "TensorLocation", "check_torch_shape", "resolve_shard"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,69 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
     return path
 
 
+# torch sizes are signed 64-bit; the format's are u64, so an empty tensor may have a
+# dimension torch cannot hold (`[0, 2**63]`).
+TORCH_DIM_MAX = 2**63 - 1
+
+
+def check_torch_shape(name: str, shape: tuple[int, ...], path: Path | None = None) -> None:
+    """Refuse a shape torch cannot represent, with a FormatError (rule ``torch-shape``)."""
+    if any(d > TORCH_DIM_MAX for d in shape):
+        raise FormatError(
+            f"shape {list(shape)[:8]} has a dimension over 2**63 - 1, which the format allows "
+            "but a torch tensor cannot have; convert the checkpoint into a new folder instead "
+            "(the converter never makes a torch tensor of an empty one)",
+            path=path,
+            tensor=name,
+            rule="torch-shape",
+        )
+
+
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors")
+
+
+def _check_complete(
+    root: Path, index_path: Path, index: dict[str, Any], headers: Mapping[Path, Header]
+) -> None:
+    """Refuse an index that leaves out a shard of its own series, or promises more bytes.
+
+    A tensor the index does not name is never read, so a shard left out of the index would
+    be dropped without a word. A shard belongs to the series when its name has the indexed
+    shards' stem and count (``model-00002-of-00002`` beside ``model-00001-of-00002``); other
+    ``.safetensors`` files (a consolidated copy, another sharding) are not part of it.
+    """
+    series = {
+        (m["stem"], m["n"]) for p in headers if (m := _SHARD_NAME.fullmatch(p.name)) is not None
+    }
+    indexed = {p.name for p in headers}
+    for candidate in sorted(root.glob("*.safetensors")):
+        m = _SHARD_NAME.fullmatch(candidate.name)
+        if m and (m["stem"], m["n"]) in series and candidate.name not in indexed:
+            raise CheckpointError(
+                f"{candidate.name} is in the folder but the index names no tensor in it, so its "
+                f"tensors would be lost; regenerate the index if it belongs to this checkpoint "
+                f"(every tensor listed in {index_path.name}), or move it out of the folder",
+                path=index_path,
+                rule="unindexed-shard",
+            )
+    metadata = index.get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if not isinstance(total, int) or isinstance(total, bool):
+        return
+    # Writers count total_size as the tensor bytes, some as the file sizes: more than the
+    # files hold in all means shards are missing from the index and the folder alike.
+    held = sum(h.file_size for h in headers.values())
+    if total > held:
+        stored = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
+        raise CheckpointError(
+            f"the index's total_size is {total:,} bytes but its shards hold {stored:,} bytes of "
+            f"tensors ({held:,} bytes with headers): shards are missing; download them, or "
+            "correct total_size if the checkpoint is complete",
+            path=index_path,
+            rule="index-total-size",
+        )
+
+
 class Checkpoint:
     """A validated safetensors checkpoint.
 
@@ -124,10 +188,26 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
-        """Open and validate a checkpoint folder or file."""
+        """Open and validate a checkpoint folder or file.
+
+        Headers, index and config are read under the folder's shared lock (see
+        ``format/lock.py``), so they are all from before or all from after an in-place
+        rename; a rename in progress is waited for.
+        """
         p = Path(path)
         if not p.exists():
             raise CheckpointError("does not exist", path=p, rule="missing")
+        if not p.is_file() and not p.is_dir():
+            raise CheckpointError(
+                "is neither a file nor a folder; give a checkpoint folder or a .safetensors file",
+                path=p,
+                rule="layout",
+            )
+        with folder_lock(p.parent if p.is_file() else p, exclusive=False):
+            return cls._open_unlocked(p)
+
+    @classmethod
+    def _open_unlocked(cls, p: Path) -> Checkpoint:
         if p.is_file():
             cls._check_journal(p.parent)
             return cls._from_files(p.parent, [p], None)
@@ -135,11 +215,19 @@ class Checkpoint:
         cls._check_journal(root)
         index = root / INDEX_NAME
         single = root / SINGLE_NAME
+        for special in (index, single):
+            if special.exists() and not special.is_file():
+                raise CheckpointError(
+                    f"{special.name} is a {'folder' if special.is_dir() else 'special file'}, "
+                    "not a file",
+                    path=special,
+                    rule="not-a-file",
+                )
         if index.is_file():
             return cls._from_index(root, index)
         if single.is_file():
             return cls._from_files(root, [single], None)
-        found = sorted(q.name for q in root.glob("*.safetensors"))
+        found = sorted(q.name for q in root.glob("*.safetensors") if _is_file(q))
         hint = (
             f"; found {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} — pass one file "
             "directly, or add an index"
@@ -152,7 +240,9 @@ class Checkpoint:
 
     @staticmethod
     def _check_journal(root: Path) -> None:
-        if (root / JOURNAL_NAME).exists():
+        # Called under the folder's shared lock: a live writer would hold it exclusively, so
+        # a journal here is one whose writer died.
+        if (root / JOURNAL_NAME).exists() or (root / JOURNAL_NAME).is_symlink():
             raise CheckpointError(
                 "an in-place rewrite of this checkpoint was interrupted; run "
                 f"`weightmap clean {root}` to finish it before reading the checkpoint",
@@ -201,6 +291,7 @@ class Checkpoint:
                 path=index_path,
                 rule="index-mismatch",
             )
+        _check_complete(root, index_path, index, ckpt.headers)
         return ckpt
 
     @classmethod
@@ -238,6 +329,21 @@ class Checkpoint:
     def config(self) -> dict[str, Any] | None:
         """A fresh copy of config.json, or None when the checkpoint has none."""
         return None if self._config is None else json.loads(json.dumps(self._config))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` entries every file agrees on.
+
+        A key whose value differs between shards describes no single file, so it is left out
+        (one file missing a key does not drop it: it says nothing against it).
+        """
+        merged: dict[str, str] = {}
+        conflicts: set[str] = set()
+        for header in self.headers.values():
+            for key, value in (header.metadata or {}).items():
+                if merged.setdefault(key, value) != value:
+                    conflicts.add(key)
+        return {k: v for k, v in merged.items() if k not in conflicts}
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -302,13 +408,15 @@ class Checkpoint:
     def view(self, name: str) -> torch.Tensor:
         """A zero-copy torch tensor over the memory-mapped bytes of ``name``.
 
-        The view is valid while the checkpoint is open. F4 tensors come back as
-        ``float4_e2m1fn_x2`` with the last dimension halved (two values per byte); dtypes that
-        torch lacks (F6) come back as raw ``uint8`` bytes.
+        The view stays valid for as long as it is referenced, after :meth:`close` too: it
+        keeps its memory map alive. Copy-on-write, so writing to it never touches the file.
+        F4 tensors come back as ``float4_e2m1fn_x2`` with the last dimension halved (two values
+        per byte); dtypes that torch lacks (F6) come back as raw ``uint8`` bytes.
         """
         import torch
 
         path, info = self._lookup(name)
+        check_torch_shape(name, info.shape, path)
         loc = self.location(name)
         mm = self._map(path)
         if loc.length == 0:
@@ -325,12 +433,13 @@ class Checkpoint:
         return raw.view(dt.torch()).reshape(info.shape)
 
     def close(self) -> None:
-        """Release memory maps. Views handed out earlier must not be used afterwards."""
+        """Let go of the memory maps; views handed out earlier stay valid.
+
+        A view keeps its map alive (torch holds a reference to the buffer it was made from),
+        and the map is unmapped when the last view of it is freed. Unmapping here instead would
+        leave every view pointing at unmapped memory, and reading one would end the process.
+        """
         with self._lock:
-            for mm in self._maps.values():
-                # A view may still export the buffer; the map is then freed with the last view.
-                with contextlib.suppress(BufferError):
-                    mm.close()
             self._maps.clear()
 
     def __enter__(self) -> Checkpoint:

@@ -20,7 +20,7 @@ from typing import Any
 
 from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
-from weightmap.format.text import is_utf8
+from weightmap.format.text import is_utf8, nesting_exceeds
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
 
@@ -74,36 +74,20 @@ class Header:
         return 8 + self.header_size
 
 
+def _brief(value: object) -> str:
+    """A value from a header, for a message: bounded, since the header may be 100 MB."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> FormatError:
     return FormatError(message, path=path, tensor=tensor, rule=rule)
 
 
 def _check_nesting(text: str, path: str) -> None:
-    """Refuse brackets nested past _MAX_DEPTH before json sees them.
-
-    The JSON decoder is recursive: a header of nested brackets would exhaust the stack.
-    """
-    depth = 0
-    in_string = False
-    escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > _MAX_DEPTH:
-                raise _fail(
-                    path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels"
-                )
-        elif ch in "]}":
-            depth -= 1
+    """Refuse brackets nested past _MAX_DEPTH before json sees them (its decoder recurses)."""
+    if nesting_exceeds(text, _MAX_DEPTH):
+        raise _fail(path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels")
 
 
 def _decode_json(raw: bytes, path: str) -> Any:
@@ -118,7 +102,9 @@ def _decode_json(raw: bytes, path: str) -> Any:
         result: dict[str, Any] = {}
         for key, value in pairs:
             if key in result:
-                raise _fail(path, "duplicate-name", f"name {key!r} appears twice in the header")
+                raise _fail(
+                    path, "duplicate-name", f"name {_brief(key)} appears twice in the header"
+                )
             result[key] = value
         return result
 
@@ -143,17 +129,25 @@ def _int_list(value: object) -> list[int] | None:
     return value
 
 
-def _bounded_numel(shape: list[int]) -> int:
-    """numel, but stopping once past U64_MAX: a product of a long list of huge dimensions
-    costs quadratic time (a 2 MB header of them took seconds, a 100 MB one hours)."""
-    if 0 in shape:
-        return 0
+def _numel(shape: list[int]) -> int | None:
+    """numel as the reference implementation counts it, or None where it overflows.
+
+    Dimensions are u64 and the product is taken in order, each step checked: ``[0, 2**70]``
+    and ``[2**32, 2**32, 0]`` are refused there even though they hold no element, so they are
+    refused here (an output of ours must never be one the reference refuses). Stopping at the
+    first overflow also keeps a long list of huge dimensions from costing quadratic time.
+    """
     n = 1
     for d in shape:
         n *= d
-        if n > U64_MAX:
-            break
+        if d > U64_MAX or n > U64_MAX:
+            return None
     return n
+
+
+def _shown(shape: list[int]) -> str:
+    """A shape for messages: a hostile one may list 80,000 dimensions."""
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
 
 
 def _metadata(entry: object, path: str) -> dict[str, str]:
@@ -186,18 +180,21 @@ def _tensor(name: str, entry: object, path: str) -> TensorInfo:
     dtype_name = entry["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         known = ", ".join(DTYPES)
-        raise _fail(path, "dtype", f"unknown dtype {dtype_name!r} (known: {known})", name)
+        raise _fail(path, "dtype", f"unknown dtype {_brief(dtype_name)} (known: {known})", name)
     shape = _int_list(entry["shape"])
     if shape is None or any(d < 0 for d in shape):
         raise _fail(
-            path, "shape", f"shape {entry['shape']!r} is not a list of non-negative integers", name
+            path,
+            "shape",
+            f"shape {_brief(entry['shape'])} is not a list of non-negative integers",
+            name,
         )
     offsets = _int_list(entry["data_offsets"])
     if offsets is None or len(offsets) != 2 or offsets[0] < 0 or offsets[1] < 0:
         raise _fail(
             path,
             "offsets",
-            f"data_offsets {entry['data_offsets']!r} is not a pair of non-negative integers",
+            f"data_offsets {_brief(entry['data_offsets'])} is not a pair of non-negative integers",
             name,
         )
     begin, end = offsets
@@ -205,24 +202,29 @@ def _tensor(name: str, entry: object, path: str) -> TensorInfo:
         raise _fail(path, "offsets", f"data_offsets [{begin}, {end}] end before they begin", name)
     if begin > U64_MAX or end > U64_MAX:
         raise _fail(path, "overflow", "data_offsets do not fit in 64 bits", name)
-    count = _bounded_numel(shape)
-    bits = count * DTYPES[dtype_name].bits
-    if count > U64_MAX or bits > U64_MAX:
+    count = _numel(shape)
+    if count is None or count * DTYPES[dtype_name].bits > U64_MAX:
         raise _fail(
-            path, "overflow", f"shape {shape} has more elements than 64 bits can count", name
+            path,
+            "overflow",
+            f"shape {_shown(shape)} has a dimension, or more elements, than 64 bits can count "
+            "(the product is checked step by step, as the reference implementation does)",
+            name,
         )
+    bits = count * DTYPES[dtype_name].bits
     if bits % 8:
         raise _fail(
             path,
             "byte-size",
-            f"{dtype_name} shape {shape} holds {bits} bits, which is not a whole number of bytes",
+            f"{dtype_name} shape {_shown(shape)} holds {bits} bits, which is not a whole number "
+            "of bytes",
             name,
         )
     if end - begin != bits // 8:
         raise _fail(
             path,
             "byte-size",
-            f"data_offsets span {end - begin} bytes but {dtype_name} shape {shape} needs "
+            f"data_offsets span {end - begin} bytes but {dtype_name} shape {_shown(shape)} needs "
             f"{bits // 8}",
             name,
         )

@@ -1,14 +1,16 @@
 """Text and JSON rules that every stage shares, written once.
 
-Everything weightmap writes (headers, indexes, config.json, plans) is UTF-8 JSON, so every name
-and value that may end up there is checked here: text that cannot be encoded as UTF-8 (a lone
-surrogate escape decodes to such a ``str``), JSON nested deeper than later stages can walk, and
-values that are not JSON at all.
+Everything weightmap writes (headers, indexes, config.json, plans) is strict UTF-8 JSON, so
+every name and value that may end up there is checked here: text that cannot be encoded as UTF-8
+(a lone surrogate escape decodes to such a ``str``), JSON nested deeper than later stages can
+walk, NaN and Infinity (which Python's json reads and writes but JSON does not have), and values
+that are not JSON at all.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,14 @@ __all__ = [
     "MAX_INT_BITS",
     "MAX_JSON_DEPTH",
     "MAX_JSON_FILE",
+    "MAX_JSON_VALUES",
+    "JsonRefused",
     "is_utf8",
     "json_depth",
     "json_problem",
+    "nesting_exceeds",
     "read_json_file",
+    "strict_json",
 ]
 
 # Integers in mapping values (params, config edits) stay within this many bits: far beyond any
@@ -33,6 +39,10 @@ MAX_INT_BITS = 256
 MAX_JSON_DEPTH = 64
 # Index and config files are small; a huge one is hostile, and json would hold it all.
 MAX_JSON_FILE = 256 * 1024 * 1024
+# Values (numbers, strings, list items, object entries) in one JSON value weightmap writes:
+# real configs hold a few hundred. Counted as written, so a list repeated by reference counts
+# every time it appears.
+MAX_JSON_VALUES = 1_000_000
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -58,38 +68,133 @@ def json_depth(value: object, limit: int) -> int:
     return deepest
 
 
-def json_problem(value: Any, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+def nesting_exceeds(text: str, limit: int) -> bool:
+    """True when the brackets of JSON ``text`` nest deeper than ``limit``.
+
+    A scan of the text, for before ``json.loads``, whose decoder is recursive: brackets nested
+    a few thousand deep exhaust its stack (``RecursionError``).
+    """
+    depth = 0
+    in_string = False
+    escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+def _shown(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(k) for k in path)[:200]
+
+
+def _where(what: str, path: tuple[str | int, ...]) -> str:
+    """``holds NaN at `a.b``` for a value inside another, ``is NaN`` for the value itself."""
+    return f"holds {what} at `{_shown(path)}`" if path else f"is {what}"
+
+
+def _non_finite(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+
+
+def json_problem(
+    value: Any, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES
+) -> str | None:
     """Why ``value`` cannot be written as strict, bounded JSON, or None if it can.
 
     Refused: objects that are not JSON (bytes, sets, arbitrary classes), keys that are not
-    strings, ints over :data:`MAX_INT_BITS` bits (``repr`` of a 5000-digit int raises), lone
-    surrogates, and nesting deeper than ``max_depth``. Iterative, so hostile depth cannot
-    exhaust the stack.
+    strings, NaN and infinities, ints over :data:`MAX_INT_BITS` bits (``repr`` of a 5000-digit
+    int raises), lone surrogates, nesting deeper than ``max_depth``, and more than
+    ``max_values`` values as written (a list that appears twice counts twice). Iterative, so
+    hostile depth cannot exhaust the stack; the walk stops at the first problem.
+
+    >>> json_problem({"rope": {"factor": float("nan")}})
+    'holds NaN at `rope.factor`, which is not a finite number (JSON has no NaN or Infinity)'
     """
-    stack: list[tuple[Any, int]] = [(value, 1)]
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    count = 0
     while stack:
-        v, depth = stack.pop()
-        if depth > max_depth:
+        v, path = stack.pop()
+        count += 1
+        if count > max_values:
+            return f"holds more than {max_values:,} values"
+        if len(path) >= max_depth:
             return f"nests deeper than {max_depth} levels"
-        if v is None or isinstance(v, (bool, float)):
+        if v is None or isinstance(v, bool):
             continue
-        if isinstance(v, int):
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return (
+                    f"{_where(_non_finite(v), path)}, which is not a finite number (JSON has "
+                    "no NaN or Infinity)"
+                )
+        elif isinstance(v, int):
             if v.bit_length() > MAX_INT_BITS:
-                return f"integer exceeds {MAX_INT_BITS} bits"
+                return _where(f"an integer over {MAX_INT_BITS} bits", path)
         elif isinstance(v, str):
             if not is_utf8(v):
-                return "string holds a lone surrogate, which is not UTF-8"
+                return f"{_where('a lone surrogate', path)}, which is not UTF-8"
         elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v)
+            stack.extend((x, (*path, i)) for i, x in enumerate(v))
         elif isinstance(v, dict):
             for k, x in v.items():
                 if not isinstance(k, str):
                     return f"object key {k!r} is not a string"
-                stack.append((k, depth + 1))
-                stack.append((x, depth + 1))
+                if not is_utf8(k):
+                    return f"{_where('a key with a lone surrogate', path)}, which is not UTF-8"
+                stack.append((x, (*path, k)))
         else:
-            return f"{type(v).__name__} is not a JSON value"
+            return f"{_where(f'a {type(v).__name__}', path)}, which is not a JSON value"
     return None
+
+
+class JsonRefused(ValueError):
+    """Text that Python's json would read but that is not strict, bounded JSON."""
+
+
+def strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode ``text`` as strict JSON.
+
+    Raises :class:`JsonRefused` for what Python's json accepts but JSON does not have (``NaN``,
+    ``Infinity``, numbers beyond a 64-bit float such as ``1e400``), for nesting deeper than
+    ``max_depth`` and for anything :func:`json_problem` refuses; ``ValueError`` for text that
+    is not JSON at all.
+
+    >>> strict_json("[1, 2.5]")
+    [1, 2.5]
+    """
+
+    def constant(name: str) -> Any:
+        raise JsonRefused(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+    def number(literal: str) -> float:
+        result = float(literal)
+        if not math.isfinite(result):
+            raise JsonRefused(
+                f"{literal[:40]} is not a JSON number weightmap can keep: it is beyond a 64-bit "
+                "float"
+            )
+        return result
+
+    if nesting_exceeds(text, max_depth):
+        raise JsonRefused(f"the value nests deeper than {max_depth} levels")
+    value = json.loads(text, parse_constant=constant, parse_float=number)
+    why = json_problem(value, max_depth)
+    if why is not None:
+        raise JsonRefused(f"the value {why}")
+    return value
 
 
 def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> Any:

@@ -16,7 +16,7 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from weightmap.format.atomic import (
     TMP_MARKER,
     fsync_dir,
     is_within,
+    removal_problem,
     remove_path,
     renameat2,
     stale_temporaries,
@@ -77,9 +78,23 @@ class CheckpointWriter:
                     f"{self.dest}: the destination holds the input ({p}); choose another folder "
                     "(in-place mode rewrites headers without a destination)"
                 )
+        if self.dest.is_symlink() and not self.dest.exists() and not overwrite:
+            # Refused now, not after converting in full: the commit's rename would refuse it.
+            raise OutputExistsError(
+                f"{self.dest} is a symbolic link (to {os.readlink(self.dest)}, which does not "
+                "exist); remove it, or pass overwrite=True (--overwrite) to replace the link"
+            )
         if self.dest.exists() and not overwrite:
             raise OutputExistsError(
                 f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+        if self.dest.exists() and (why := removal_problem(self.dest)) is not None:
+            # Checked now: after the swap the new output would be in place and the old one
+            # stuck beside it under a temporary name.
+            raise ExecutionError(
+                f"{self.dest} cannot be replaced: {why}, so the old output could not be "
+                "removed; nothing was written. Make it removable (chmod u+w; chattr -i for an "
+                "immutable file) or choose another destination"
             )
         if self.dest.parent.exists() and not self.dest.parent.is_dir():
             raise ExecutionError(f"{self.dest.parent}: the destination's parent is not a folder")
@@ -97,6 +112,9 @@ class CheckpointWriter:
         self._files: dict[str, bytes] = {}
         self.tmp: Path | None = None
         self.committed = False
+        # Called with the finished temporary folder just before it is moved into place; an
+        # exception from it discards the output (used to verify before committing).
+        self.before_move: Callable[[Path], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -267,11 +285,15 @@ class CheckpointWriter:
                 data = json.dumps(index, indent=2, sort_keys=True) + "\n"
                 self._write_small(INDEX_NAME, data.encode())
             if self.config is not None:
-                text = json.dumps(self.config, indent=2, ensure_ascii=False) + "\n"
+                # Strict JSON: Python would write NaN, which no JSON reader takes.
+                text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
+                text += "\n"
                 self._write_small(CONFIG_NAME, text.encode("utf-8"))
             for name, blob in self._files.items():
                 self._write_small(name, blob)
             fsync_dir(self.tmp)
+            if self.before_move is not None:
+                self.before_move(self.tmp)
             self._move_into_place(self.tmp)
         except BaseException:
             self.abort()
@@ -293,12 +315,14 @@ class CheckpointWriter:
                 raise FileExistsError(errno.EEXIST, "exists", str(dest))
             elif renameat2(tmp, dest, RENAME_EXCHANGE):
                 # The old destination now sits at the temporary name; remove it.
-                remove_path(tmp)
+                self.tmp = None
+                self._remove_old(tmp)
             else:
                 old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
                 os.rename(dest, old)
                 os.rename(tmp, dest)
-                remove_path(old)
+                self.tmp = None
+                self._remove_old(old)
         except FileExistsError:
             raise OutputExistsError(
                 f"{dest} appeared while this conversion ran (another run into the same "
@@ -311,3 +335,16 @@ class CheckpointWriter:
                 ) from None
             raise
         fsync_dir(dest.parent)
+
+    def _remove_old(self, old: Path) -> None:
+        """Remove the replaced output; if that fails, say exactly where both outputs are."""
+        try:
+            remove_path(old)
+        except OSError as exc:
+            fsync_dir(self.dest.parent)
+            raise ExecutionError(
+                f"{self.dest} holds the new output, complete, but the old output it replaced "
+                f"could not be removed ({exc.strerror}: {exc.filename}); what is left of it is "
+                f"at {old}: remove it once it can be (chmod u+w; chattr -i for an immutable "
+                "file)"
+            ) from exc

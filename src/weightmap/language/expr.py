@@ -8,13 +8,14 @@ numbers and strings with strings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec
-from weightmap.format.text import MAX_INT_BITS
+from weightmap.format.text import MAX_INT_BITS, MAX_JSON_DEPTH
 from weightmap.language import ast as A
 
 __all__ = [
@@ -50,9 +51,14 @@ TENSOR_NAMES = ("name", "dtype", "shape")
 
 # Hostile-input bounds (a mapping is a program from a stranger): `[0] * 10**12`, strings or
 # ints squared param by param, or nested comprehensions would otherwise take unbounded memory
-# and time. One evaluation (a param default, a condition, one tensor's where/template) may
-# build at most WORK_LIMIT list items and characters; ints stay within MAX_INT_BITS (the bound
-# on every JSON value weightmap writes).
+# and time. One evaluation (a param default, a condition, one tensor's where/template, a
+# config block, a message) may spend at most WORK_LIMIT units of work: every value a list,
+# object or string it builds holds, counted as written, so a list repeated by reference
+# (`[[[[0] * 100] * 100] * 100] * 100`: 400 items allocated, 10**8 written) counts each time it
+# appears; every comparison and membership test, by the values it walks; every character of a
+# rendered message. Values stay within MAX_JSON_DEPTH levels (deeper ones could not be copied,
+# compared or written without recursing past the stack) and ints within MAX_INT_BITS (the
+# bound on every JSON value weightmap writes).
 WORK_LIMIT = 1_000_000
 
 
@@ -92,12 +98,54 @@ class Scope:
         return Scope(self.params, self.config, captures, tensor, self.exists, self.local)
 
     def charge(self, work: int, loc: A.Loc) -> None:
-        """Spend ``work`` list items or characters; EvalError once WORK_LIMIT is spent."""
+        """Spend ``work`` units; EvalError once WORK_LIMIT is spent."""
         self.budget[0] -= work
         if self.budget[0] < 0:
             raise EvalError(
-                f"expression builds more than {WORK_LIMIT} list items or characters", loc
+                f"expression builds more than {WORK_LIMIT:,} values (list items, object "
+                "entries, characters, and the values comparisons walk)",
+                loc,
             )
+
+    def charge_value(self, value: Any, loc: A.Loc, times: int = 1) -> None:
+        """Spend what ``value`` holds as written, ``times`` over (``[v] * times``)."""
+        times = max(times, 0)
+        limit = self.budget[0] // max(times, 1) + 1
+        self.charge(weight(value, limit, loc) * times, loc)
+
+
+def weight(value: Any, limit: int, loc: A.Loc) -> int:
+    """The values ``value`` holds as written: 1 per number, null, bool, list or object, a
+    string's length, and its keys' lengths; a list that appears twice counts twice.
+
+    Stops counting once past ``limit``, so the walk costs no more than the work it measures.
+    EvalError for a value nested deeper than MAX_JSON_DEPTH.
+    """
+    total = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack and total <= limit:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise EvalError(
+                f"expression builds a value nested deeper than {MAX_JSON_DEPTH} levels", loc
+            )
+        if isinstance(v, str):
+            total += max(len(v), 1)
+        elif isinstance(v, list):
+            total += 1 + len(v)
+            if total <= limit:
+                stack.extend((x, depth + 1) for x in v if isinstance(x, (list, dict, str)))
+        elif isinstance(v, dict):
+            total += 1 + len(v)
+            for k, x in v.items():
+                total += len(k)
+                if total > limit:
+                    break
+                if isinstance(x, (list, dict, str)):
+                    stack.append((x, depth + 1))
+        else:
+            total += 1
+    return total
 
 
 Fn = Callable[[Scope], Any]
@@ -116,19 +164,47 @@ def _type_name(v: Any) -> str:
     }.get(type(v), type(v).__name__)
 
 
-def show(v: Any) -> str:
-    """A value as the language would write it."""
+def _pieces(v: Any) -> Iterator[str]:
     if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, list):
-        return "[" + ", ".join(show(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f'"{k}": {show(x)}' for k, x in v.items()) + "}"
-    return repr(v)
+        yield "null"
+    elif isinstance(v, bool):
+        yield "true" if v else "false"
+    elif isinstance(v, str):
+        yield f'"{v}"'
+    elif isinstance(v, list):
+        yield "["
+        for i, x in enumerate(v):
+            if i:
+                yield ", "
+            yield from _pieces(x)
+        yield "]"
+    elif isinstance(v, dict):
+        yield "{"
+        for i, (k, x) in enumerate(v.items()):
+            yield f'{", " if i else ""}"{k}": '
+            yield from _pieces(x)
+        yield "}"
+    else:
+        yield repr(v)
+
+
+def show(v: Any, limit: int | None = None) -> str:
+    """A value as the language would write it; past ``limit`` characters, cut with "..."."""
+    if limit is None:
+        return "".join(_pieces(v))
+    out: list[str] = []
+    size = 0
+    for piece in _pieces(v):
+        out.append(piece)
+        size += len(piece)
+        if size > limit:
+            return "".join(out)[:limit] + "..."
+    return "".join(out)
+
+
+def brief(v: Any) -> str:
+    """A value for an error message: a hostile one may be megabytes long."""
+    return show(v, 80)
 
 
 def equal(a: Any, b: Any) -> bool:
@@ -151,7 +227,7 @@ def _is_num(v: Any) -> bool:
 def truth(v: Any, loc: A.Loc, what: str = "condition") -> bool:
     """A condition's value, which must be a boolean."""
     if not isinstance(v, bool):
-        raise EvalError(f"{what} is {show(v)} ({_type_name(v)}), not true or false", loc)
+        raise EvalError(f"{what} is {brief(v)} ({_type_name(v)}), not true or false", loc)
     return v
 
 
@@ -175,16 +251,19 @@ def _arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
         return a + b
     if op == "+" and isinstance(a, list) and isinstance(b, list):
         if s is not None:
-            s.charge(len(a) + len(b), loc)
+            s.charge_value(a, loc)
+            s.charge_value(b, loc)
         return a + b
     if op == "*" and isinstance(a, list) and isinstance(b, int) and not isinstance(b, bool):
         if s is not None:
-            s.charge(len(a) * max(b, 0), loc)
+            # Every copy counts: the copies are the same objects, but each is written out,
+            # compared and printed in full.
+            s.charge_value(a, loc, times=b)
         return a * b
     if not (_is_num(a) and _is_num(b)):
-        raise EvalError(f"cannot apply {op} to {show(a)} and {show(b)}", loc)
+        raise EvalError(f"cannot apply {op} to {brief(a)} and {brief(b)}", loc)
     if op in ("//", "%") and b == 0:
-        raise EvalError(f"division by zero in {show(a)} {op} 0", loc)
+        raise EvalError(f"division by zero in {brief(a)} {op} 0", loc)
     # Check before multiplying: squaring a huge int param after param takes minutes.
     if (
         op == "*"
@@ -200,30 +279,40 @@ def _arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
             else (a // b if op == "//" else a % b)
         )
     except OverflowError:  # a huge int meeting a float
-        raise EvalError(f"{op} overflows on {show(a)} and {show(b)}", loc) from None
+        raise EvalError(f"{op} overflows on {brief(a)} and {brief(b)}", loc) from None
     if isinstance(result, int) and result.bit_length() > MAX_INT_BITS:
         raise EvalError(f"integer {op} result exceeds {MAX_INT_BITS} bits", loc)
+    if isinstance(result, float) and not math.isfinite(result):
+        # JSON has no NaN or Infinity: such a value could never be written to config.json.
+        raise EvalError(
+            f"{op} on {brief(a)} and {brief(b)} gives {result}, not a finite number", loc
+        )
     return result
 
 
-def _compare(op: str, a: Any, b: Any, loc: A.Loc) -> bool:
+def _compare(op: str, a: Any, b: Any, loc: A.Loc, s: Scope) -> bool:
+    # A comparison walks at most the smaller value: that is its work.
+    limit = s.budget[0] + 1
+    s.charge(min(weight(a, limit, loc), weight(b, limit, loc)), loc)
     if op == "==":
         return equal(a, b)
     if op == "!=":
         return not equal(a, b)
     if not ((_is_num(a) and _is_num(b)) or (isinstance(a, str) and isinstance(b, str))):
-        raise EvalError(f"cannot compare {show(a)} {op} {show(b)}", loc)
+        raise EvalError(f"cannot compare {brief(a)} {op} {brief(b)}", loc)
     return bool({"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op])
 
 
-def _contains(a: Any, b: Any, loc: A.Loc) -> bool:
+def _contains(a: Any, b: Any, loc: A.Loc, s: Scope) -> bool:
     if isinstance(b, list):
+        s.charge_value(b, loc)
         return any(equal(a, x) for x in b)
     if isinstance(b, dict) and isinstance(a, str):
         return a in b
     if isinstance(b, str) and isinstance(a, str):
+        s.charge(len(b), loc)
         return a in b
-    raise EvalError(f"cannot test {show(a)} in {show(b)}", loc)
+    raise EvalError(f"cannot test {brief(a)} in {brief(b)}", loc)
 
 
 def _lookup(name: str, loc: A.Loc) -> Fn:
@@ -248,7 +337,7 @@ def _lookup(name: str, loc: A.Loc) -> Fn:
 def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
     if isinstance(obj, dict):
         if not isinstance(key, str):
-            raise EvalError(f"{what}: object keys are strings, not {show(key)}", loc)
+            raise EvalError(f"{what}: object keys are strings, not {brief(key)}", loc)
         if key not in obj:
             raise MissingField(f"`{what}` is missing from the config", loc)
         return obj[key]
@@ -256,7 +345,7 @@ def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
         if not -len(obj) <= key < len(obj):
             raise EvalError(f"{what}: index {key} is out of range for a list of {len(obj)}", loc)
         return obj[key]
-    raise EvalError(f"{what}: cannot index {show(obj)} with {show(key)}", loc)
+    raise EvalError(f"{what}: cannot index {brief(obj)} with {brief(key)}", loc)
 
 
 def compile_expr(e: A.Expr) -> Fn:
@@ -295,7 +384,10 @@ def compile_expr(e: A.Expr) -> Fn:
 
         def make_list(s: Scope) -> list[Any]:
             s.charge(len(items), loc)
-            return [f(s) for f in items]
+            out = [f(s) for f in items]
+            # Items are counted as written: `[a, a, a]` holds a three times.
+            s.charge_value(out, loc)
+            return out
 
         return make_list
     if isinstance(e, A.DictExpr):
@@ -303,7 +395,9 @@ def compile_expr(e: A.Expr) -> Fn:
 
         def make_dict(s: Scope) -> dict[str, Any]:
             s.charge(len(pairs), loc)
-            return {k: f(s) for k, f in pairs}
+            out = {k: f(s) for k, f in pairs}
+            s.charge_value(out, loc)
+            return out
 
         return make_dict
     if isinstance(e, A.Comp):
@@ -330,11 +424,11 @@ def _binop(e: A.BinOp) -> Fn:
     if op == "or":
         return lambda s: truth(left(s), loc) or truth(right(s), loc)
     if op in ("==", "!=", "<", "<=", ">", ">="):
-        return lambda s: _compare(op, left(s), right(s), loc)
+        return lambda s: _compare(op, left(s), right(s), loc, s)
     if op == "in":
-        return lambda s: _contains(left(s), right(s), loc)
+        return lambda s: _contains(left(s), right(s), loc, s)
     if op == "not in":
-        return lambda s: not _contains(left(s), right(s), loc)
+        return lambda s: not _contains(left(s), right(s), loc, s)
     return lambda s: _arith(op, left(s), right(s), loc, s)
 
 
@@ -346,14 +440,16 @@ def _comprehension(e: A.Comp) -> Fn:
     def run(s: Scope) -> list[Any]:
         seq = it(s)
         if not isinstance(seq, list):
-            raise EvalError(f"`for {var} in` needs a list, got {show(seq)}", loc)
+            raise EvalError(f"`for {var} in` needs a list, got {brief(seq)}", loc)
         s.charge(len(seq), loc)
         out = []
         for x in seq:
             local = {**s.local, var: x}
             inner = Scope(s.params, s.config, s.captures, s.tensor, s.exists, local, s.budget)
             if cond is None or truth(cond(inner), loc):
-                out.append(elt(inner))
+                item = elt(inner)
+                s.charge_value(item, loc)
+                out.append(item)
         return out
 
     return run
@@ -383,7 +479,7 @@ def _call(e: A.Call) -> Fn:
         def length(s: Scope) -> int:
             v = arg(s)
             if not isinstance(v, (list, str, dict)):
-                raise EvalError(f"len() of {show(v)}", loc)
+                raise EvalError(f"len() of {brief(v)}", loc)
             return len(v)
 
         return length
@@ -395,7 +491,8 @@ def _call(e: A.Call) -> Fn:
             if len(vals) == 1 and isinstance(vals[0], list):
                 vals = vals[0]
             if not vals or not all(_is_num(v) for v in vals):
-                raise EvalError(f"{name}() needs numbers, got {show(vals)}", loc)
+                raise EvalError(f"{name}() needs numbers, got {brief(vals)}", loc)
+            s.charge(len(vals), loc)
             return pick(vals)
 
         return extreme
@@ -410,7 +507,10 @@ def render(t: A.Template, scope: Scope) -> str:
             out.append(part)
         else:
             v = compile_expr(part)(scope)
-            out.append(v if isinstance(v, str) else show(v))
+            text = v if isinstance(v, str) else show(v, scope.budget[0] + 1)
+            # Every character of a message is work: a hole may print a huge value.
+            scope.charge(len(text), part.loc)
+            out.append(text)
     return "".join(out)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,89 @@ class Mapping:
     param_locs: dict[str, A.Loc]
 
 
-# A mapping is a few kilobytes; a larger include is a mistake or an attack (`/dev/zero`).
-MAX_INCLUDE_BYTES = 1_000_000
+# A mapping is a few kilobytes. Everything parsed for one mapping (its own text and every
+# include, counted each time it is expanded) is bounded: parsing 1 MB takes seconds and about
+# 200 MB, and a larger file is a mistake or an attack (`/dev/zero`, an include fan-out).
+MAX_MAPPING_BYTES = 1_000_000
+MAX_INCLUDE_BYTES = MAX_MAPPING_BYTES
+# Include expansions in one mapping, through every level (30 files that each include the next
+# twice would otherwise expand 2**30 times, while cycles alone are caught).
+MAX_INCLUDES = 100
+# String literals cannot span lines, so this bounds them: matching a string token costs the
+# parser about 200 bytes per character.
+MAX_LINE_CHARS = 100_000
+
+
+@dataclass
+class _Spent:
+    """What one mapping has spent of the bounds above, its includes included."""
+
+    includes: int = 0
+    bytes: int = 0
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+def _read_source(path: Path, what: str) -> str:
+    """A mapping file's text: a regular file of at most MAX_MAPPING_BYTES of UTF-8.
+
+    Opened without blocking and checked on the open descriptor, so a FIFO (or a file swapped
+    for one) is refused instead of hanging the reader.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise MappingError(f"{what}: {err.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise MappingError(f"{what}: not a regular file (it is a {_kind(mode)})")
+        chunks = []
+        left = MAX_MAPPING_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as err:
+        raise MappingError(f"{what}: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_MAPPING_BYTES:
+        raise MappingError(
+            f"{what}: larger than {MAX_MAPPING_BYTES:,} bytes (a mapping is at most that)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MappingError(f"{what}: not UTF-8 text") from None
+
+
+def _check_size(text: str, file: str) -> int:
+    """Refuse program text over the bounds before the parser sees it; its size in bytes."""
+    size = len(text) if len(text) > MAX_MAPPING_BYTES else len(text.encode("utf-8", "replace"))
+    if size > MAX_MAPPING_BYTES:
+        raise MappingError(
+            f"{file}: the mapping is {size:,} bytes; a mapping is at most "
+            f"{MAX_MAPPING_BYTES:,} bytes, includes included"
+        )
+    for number, line in enumerate(text.split("\n"), 1):
+        if len(line) > MAX_LINE_CHARS:
+            # Not quoted: a huge line is no use in a message.
+            raise MappingSyntaxError(
+                f"{file}:{number}:1: this line is {len(line):,} characters long; a mapping line "
+                f"is at most {MAX_LINE_CHARS:,} (no tensor name or message needs more)"
+            )
+    return size
 
 
 _VERSION_LINE = re.compile(r"\A(?:[ \t\r\n]*#[^\n]*\n)*[ \t\r\n]*weightmap[ \t]")
@@ -86,31 +168,25 @@ def _check_is_mapping(text: str, file: str, what: str | None = None) -> None:
 
 def _read_include(path: Path, target: str, loc: A.Loc) -> str:
     what = f"{loc}: cannot include {target!r}"
-    try:
-        if not path.is_file():
-            raise MappingError(f"{what}: not a regular file")
-        with path.open("rb") as f:
-            data = f.read(MAX_INCLUDE_BYTES + 1)
-    except OSError as err:
-        raise MappingError(f"{what}: {err.strerror}") from None
-    if len(data) > MAX_INCLUDE_BYTES:
-        raise MappingError(f"{what}: larger than {MAX_INCLUDE_BYTES:,} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MappingError(f"{what}: not UTF-8 text") from None
-    _check_is_mapping(text, target, f"{loc}: cannot include {target!r}")
+    text = _read_source(path, what)
+    _check_is_mapping(text, target, what)
     return text
 
 
 def _resolve_includes(
-    program: A.Program, base: Path | None, stack: tuple[str, ...]
+    program: A.Program, base: Path | None, stack: tuple[str, ...], spent: _Spent
 ) -> tuple[A.Stmt, ...]:
     out: list[A.Stmt] = []
     for st in program.stmts:
         if not isinstance(st, A.Include):
             out.append(st)
             continue
+        spent.includes += 1
+        if spent.includes > MAX_INCLUDES:
+            raise MappingError(
+                f"{st.loc}: more than {MAX_INCLUDES} includes (counted each time a file is "
+                "expanded, through every level)"
+            )
         target = st.target
         if "/" in target or target.endswith(PRESET_SUFFIX):
             path = (base or Path.cwd()) / target
@@ -123,8 +199,13 @@ def _resolve_includes(
             file, sub_base = f"{target}{PRESET_SUFFIX}", None
         if key in stack:
             raise MappingError(f"{st.loc}: include cycle: {' -> '.join([*stack, key])}")
+        spent.bytes += _check_size(text, file)
+        if spent.bytes > MAX_MAPPING_BYTES:
+            raise MappingError(
+                f"{st.loc}: the mapping and its includes exceed {MAX_MAPPING_BYTES:,} bytes"
+            )
         sub = parse_program(text, file)
-        out.extend(_resolve_includes(sub, sub_base, (*stack, key)))
+        out.extend(_resolve_includes(sub, sub_base, (*stack, key), spent))
     return tuple(out)
 
 
@@ -159,7 +240,8 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
 
 def from_program(name: str, text: str, program: A.Program, base: Path | None = None) -> Mapping:
     """A mapping from a parsed program: includes spliced in, params resolved."""
-    stmts = _resolve_includes(program, base, (name,))
+    spent = _Spent(bytes=_check_size(text, name))
+    stmts = _resolve_includes(program, base, (name,), spent)
     program = A.Program(version=program.version, stmts=stmts, file=program.file)
     values, locs = _params(stmts)
     return Mapping(name=name, text=text, program=program, param_defaults=values, param_locs=locs)
@@ -172,6 +254,14 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def _mode(source: str) -> int | None:
+    """The file mode of what ``source`` names, or None when it names nothing."""
+    try:
+        return os.stat(source).st_mode
+    except (OSError, ValueError):
+        return None
+
+
 def _is_text(source: str) -> bool:
     """Program text, as opposed to a file name: several lines, or the version line."""
     return "\n" in source or source.lstrip().startswith("weightmap")
@@ -182,14 +272,10 @@ def _looks_like_file(source: str) -> bool:
 
 
 def _read_file(path: Path, name: str | None) -> Mapping:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise MappingError(f"cannot read mapping {str(path)!r}: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise MappingError(f"cannot read mapping {str(path)!r}: not UTF-8 text") from None
+    text = _read_source(path, f"cannot read mapping {str(path)!r}")
     label = name or str(path)
     _check_is_mapping(text, label)
+    _check_size(text, label)
     return from_program(label, text, parse_program(text, label), path.parent)
 
 
@@ -210,6 +296,7 @@ def load_mapping(source: str | os.PathLike[str] | Mapping, *, name: str | None =
     if not _is_text(source) and (_is_file(source) or source.endswith(PRESET_SUFFIX)):
         return _read_file(Path(source), name)
     label = name or "<string>"
+    _check_size(source, label)
     return from_program(label, source, parse_program(source, label))
 
 
@@ -236,6 +323,12 @@ def resolve_mapping(
         return load_preset(preset)
     assert mapping is not None
     if isinstance(mapping, str) and not _is_text(mapping) and not _is_file(mapping):
+        mode = _mode(mapping)
+        if mode is not None:
+            raise MappingError(
+                f"mapping {mapping!r} is not a regular file (it is a {_kind(mode)}); a mapping "
+                "is read from a file or given as rule text"
+            )
         if mapping in preset_names():
             raise MappingError(
                 f"{mapping!r} is a preset, not a mapping file: pass it as preset= "
