@@ -2,9 +2,9 @@
 
 Order of work: resolve params; walk the statements, taking the live branch of each ``if``;
 check every ``require`` (if one fails, stop: rule errors against the wrong checkpoint are
-noise); route every input to the first rule that matches it; build each rule's outputs; apply
-the unmatched policy; apply config edits; check output names. Problems are collected all the
-way and raised together as one :class:`CompileError`.
+noise); apply the rules in order to the working set (``route.py``: each rule sees what the
+rules above it left); apply the unmatched policy; apply config edits; check output names.
+Problems are collected all the way and raised together as one :class:`CompileError`.
 """
 
 from __future__ import annotations
@@ -12,37 +12,30 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.compiler.configedit import apply_config_block
 from weightmap.compiler.group import build_group, members_of
+from weightmap.compiler.names import check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known
-from weightmap.compiler.pattern import Alternative, Matcher, compile_pattern
+from weightmap.compiler.pattern import compile_pattern
+from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import CompileError, LocatedProblem, MappingError, Problem
 from weightmap.format.dtypes import TensorSpec
-from weightmap.format.text import is_utf8, json_problem
+from weightmap.format.text import json_problem
 from weightmap.language import ast as A
-from weightmap.language.expr import (
-    EvalError,
-    Scope,
-    compile_expr,
-    render,
-    resolve_dtype,
-    truth,
-)
+from weightmap.language.expr import compile_expr, render
 from weightmap.language.mapping import Mapping
-from weightmap.plan.nodes import Node, Source
+from weightmap.language.values import EvalError, Scope, truth
+from weightmap.plan.nodes import Node
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
 
-MAX_NAME_CHARS = 1024  # far beyond any real tensor name; keeps headers sane
 PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass
@@ -152,53 +145,6 @@ class _Compiler:
             else:
                 self.warnings.append(f"{st.loc}: {message}")
 
-    # ------------------------------------------------------------ tensors
-
-    def route(self, rules: list[A.Rule], scope: Scope) -> tuple[list[list[Match]], list[int]]:
-        """Give each input to the first rule that takes it; return matches per rule, leftovers."""
-        alts: list[Alternative] = []
-        for r, rule in enumerate(rules):
-            accept = self._filter(r, rule, scope)
-            alts += [Alternative(r, i, p, accept) for i, p in enumerate(rule.patterns)]
-        matcher = Matcher(alts)
-        per_rule: list[list[Match]] = [[] for _ in rules]
-        leftovers: list[int] = []
-        failed = self.filter_failed
-        for index, spec in enumerate(self.inputs):
-            try:
-                hit = matcher.match(index, spec.name)
-            except _FilterError as err:
-                if err.rule not in failed:
-                    failed.add(err.rule)
-                    self.report(err.loc, f"{err.message} (while matching `{spec.name}`)")
-                continue
-            if hit is None:
-                leftovers.append(index)
-            else:
-                alt = alts[hit[0]]
-                per_rule[alt.rule].append(Match(index, spec, hit[1], alt.pattern_index))
-        return per_rule, leftovers
-
-    def _filter(self, r: int, rule: A.Rule, scope: Scope) -> Any:
-        where = compile_expr(rule.where) if rule.where is not None else None
-        want = resolve_dtype(rule.from_dtype) if rule.from_dtype else None
-        if where is None and want is None:
-            return None
-        inputs = self.inputs
-
-        def accept(index: int, caps: dict[str, Any]) -> bool:
-            spec = inputs[index]
-            if want is not None and spec.dtype != want:
-                return False
-            if where is None:
-                return True
-            try:
-                return truth(where(scope.with_tensor(spec, caps)), rule.loc, "where")
-            except EvalError as err:
-                raise _FilterError(r, err.loc, err.message) from None
-
-        return accept
-
     def check_rule(self, rule: A.Rule) -> bool:
         for word in (rule.from_dtype, rule.to_dtype):
             if word is not None and not dtype_known(word):
@@ -207,43 +153,6 @@ class _Compiler:
                 )
                 return False
         return True
-
-    def missing(self, rules: list[A.Rule], per_rule: list[list[Match]]) -> None:
-        owner = {m.spec.name: rules[r].loc for r, ms in enumerate(per_rule) for m in ms}
-        for r, rule in enumerate(rules):
-            if rule.optional or r in self.filter_failed:
-                continue
-            found = {m.pattern_index for m in per_rule[r]}
-            for i, p in enumerate(rule.patterns):
-                if i in found:
-                    continue
-                if p.is_literal and p.text in owner:
-                    self.report(
-                        p.loc,
-                        f"input `{p.text}` is consumed twice: first by the rule at {owner[p.text]}",
-                    )
-                elif p.is_literal:
-                    self.report(
-                        p.loc,
-                        f"input tensor `{p.text}` is missing"
-                        f" (write `{rule.op}?` if it is optional)",
-                    )
-                else:
-                    self.report(
-                        p.loc,
-                        f'pattern "{p.text}" matches no input tensor'
-                        f" (write `{rule.op}?` if that is expected)",
-                    )
-
-
-class _FilterError(LocatedProblem):
-    """A rule's ``where`` failed while routing; ``rule`` says which, so it is reported once."""
-
-    loc: A.Loc
-
-    def __init__(self, rule: int, loc: A.Loc, message: str) -> None:
-        super().__init__(message, loc)
-        self.rule = rule
 
 
 def compile_plan(
@@ -300,19 +209,15 @@ def _compile(
         # Rule errors against a checkpoint the mapping refuses would only be noise.
         raise CompileError(c.problems, mapping.name)
     rules = [r for r in flat.rules if c.check_rule(r)]
-    per_rule, leftovers = c.route(rules, scope)
-    c.missing(rules, per_rule)
-    outputs, dropped = _build_outputs(c, rules, per_rule, scope, values)
-    _apply_unmatched(c, flat.unmatched, leftovers, outputs, dropped)
+    outputs, dropped = run_rules(c, rules, scope, flat.unmatched)
     out_config = _edit_config(c, flat.configs, config, scope)
-    outputs.sort(key=lambda x: (x[0], x[1].name))
-    _check_names([o for _i, o in outputs], c)
+    check_names(outputs, c.report)
     if c.problems:
         raise CompileError(c.problems, mapping.name)
     return Plan.build(
         mapping_name=mapping.name,
         inputs=c.inputs,
-        outputs=tuple(o for _i, o in outputs),
+        outputs=tuple(outputs),
         dropped=tuple(dropped),
         warnings=tuple(c.warnings),
         params=values,
@@ -321,69 +226,164 @@ def _compile(
     )
 
 
-def _build_outputs(
-    c: _Compiler,
-    rules: list[A.Rule],
-    per_rule: list[list[Match]],
-    scope: Scope,
-    values: dict[str, Any],
-) -> tuple[list[tuple[int, OutputTensor]], list[Dropped]]:
-    """Each rule applied to its matches: outputs keyed by input position, and drops."""
-    position = {s.name: i for i, s in enumerate(c.inputs)}
-    outputs: list[tuple[int, OutputTensor]] = []
-    dropped: list[Dropped] = []
-    for rule, matches in zip(rules, per_rule, strict=True):
-
-        def emit(name: str, node: Node, rule: A.Rule = rule) -> None:
-            if isinstance(node, Source):
-                order = position[node.name]
-            else:
-                order = min(position[s.name] for s in node.sources())
-            outputs.append((order, OutputTensor(name=name, node=node, origin=rule.loc)))
-
-        def report(loc: A.Loc | None, message: str, rule: A.Rule = rule) -> None:
-            c.report(loc or rule.loc, message)
-
-        if rule.op in ("merge", "stack"):
-            try:
-                build_group(rule, members_of(rule, set(values)), matches, scope, emit, report)
-            except LocatedProblem as p:  # the member scheme, or an output name's template
-                report(p.loc, p.message)
+def run_rules(
+    c: _Compiler, rules: list[A.Rule], scope: Scope, unmatched: A.Unmatched | None
+) -> tuple[list[OutputTensor], list[Dropped]]:
+    """Apply the rules in order to the working set (route.py); outputs in plan order, drops."""
+    ws = WorkingSet(Router(rules, scope), c.report)
+    ws.start(c.inputs)
+    gone: dict[str, A.Loc] = {}  # input name -> the rule that last took a tensor made from it
+    for r, rule in enumerate(rules):
+        taken = ws.take(r)
+        found = {m.pattern_index for _i, m in taken}
+        missing = [p for i, p in enumerate(rule.patterns) if i not in found]
+        if missing:
+            _nothing(ws, rule, r, missing, c.report)
+        if not taken:
             continue
-        for m in matches:
+        if rule.op == "keep" and not rule.outputs:
+            # The common catch-all (`keep "**"`, `unmatched`-like keeps): each tensor goes on
+            # as it is, with no new name, node or template to evaluate.
+            for item, _m in taken:
+                ws.pass_on(item, r)
+            continue
+        step = _Step(ws, rule, r, scope, c.report)
+        if rule.op in ("merge", "stack"):
+            step.group(taken)
+        else:
+            for item, m in taken:
+                step.one(item, m)
+        for item, _m in taken:
+            for src in item.node.sources():
+                gone[src.name] = rule.loc
+    return _finish(c, ws, unmatched, gone)
+
+
+class _Step:
+    """One rule applied to what it took: each output goes back into the working set."""
+
+    def __init__(
+        self,
+        ws: WorkingSet,
+        rule: A.Rule,
+        r: int,
+        scope: Scope,
+        report: Callable[[A.Loc, str], None],
+    ) -> None:
+        self.ws, self.rule, self.r, self.scope = ws, rule, r, scope
+        self._report = report
+        # The tensor being worked on: outputs take its order, and an output that is that very
+        # tensor under the same name (a no-op cast, `keep -> same`) keeps its maker as origin.
+        self.item: Item | None = None
+        self.outs: list[str] = []
+
+    def report(self, loc: A.Loc | None, message: str) -> None:
+        self._report(loc or self.rule.loc, message)
+
+    def emit(self, name: str, node: Node) -> None:
+        item = self.item
+        assert item is not None
+        self.outs.append(name)
+        same = node is item.node and name == item.spec.name
+        origin = item.origin if same and item.origin is not None else self.rule.loc
+        spec = item.spec if same else TensorSpec(name, node.dtype, node.shape)
+        self.ws.put(Item(spec, node, item.order, origin), self.r)
+
+    def one(self, item: Item, m: Match) -> None:
+        """A one-input rule on one tensor."""
+        self.item, self.outs = item, []
+        if self.rule.op == "copy":
+            # Fan-out: the source goes on as it is; the copies are new tensors.
+            self.ws.pass_on(item, self.r)
+        if self.rule.op != "drop":
             try:
-                gone = build_simple(rule, m, scope, emit)
+                build_simple(self.rule, m, self.scope, self.emit)
             except LocatedProblem as p:  # shapes, dims, or an output name's template
-                report(p.loc, p.message)
-            else:
-                if gone is not None:
-                    dropped.append(gone)
-    return outputs, dropped
+                self.report(p.loc, p.message)
+        self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")
+
+    def group(self, taken: list[tuple[Item, Match]]) -> None:
+        """merge/stack: members grouped by their captures, one output per group."""
+        by_node = {id(m.node): item for item, m in taken}
+        made: dict[int, str] = {}
+
+        def emit(name: str, node: Node) -> None:
+            members = [by_node[id(s)] for s in node.children() if id(s) in by_node]
+            for member in members:
+                made[id(member)] = name
+            order = min((m.order for m in members), default=0)
+            spec = TensorSpec(name, node.dtype, node.shape)
+            self.ws.put(Item(spec, node, order, self.rule.loc), self.r)
+
+        try:
+            members = members_of(self.rule, set(self.scope.params))
+            build_group(self.rule, members, [m for _i, m in taken], self.scope, emit, self.report)
+        except LocatedProblem as p:  # the member scheme, or an output name's template
+            self.report(p.loc, p.message)
+        for item, _m in taken:
+            self.ws.record(item.spec.name, self.rule.loc, made.get(id(item), ""))
 
 
-def _apply_unmatched(
-    c: _Compiler,
-    unmatched: A.Unmatched | None,
-    leftovers: list[int],
-    outputs: list[tuple[int, OutputTensor]],
-    dropped: list[Dropped],
+def _nothing(
+    ws: WorkingSet,
+    rule: A.Rule,
+    r: int,
+    patterns: list[A.Pattern],
+    report: Callable[[A.Loc, str], None],
 ) -> None:
+    """Patterns of a rule that took nothing: fine with `?`, else say why (an earlier rule took
+    the tensor?)."""
+    if rule.optional or r in ws.failed_filters:
+        return
+    for p in patterns:
+        why = ws.explain_nothing(p)
+        if why is not None and p.is_literal:
+            report(p.loc, f"input `{p.text}` is consumed twice: {why}")
+        elif why is not None:
+            report(
+                p.loc,
+                f'pattern "{p.text}" matches nothing here: {why} (rules apply in order, each to '
+                "what the rules above it left)",
+            )
+        elif p.is_literal:
+            report(
+                p.loc, f"input tensor `{p.text}` is missing (write `{rule.op}?` if it is optional)"
+            )
+        else:
+            report(
+                p.loc,
+                f'pattern "{p.text}" matches no input tensor '
+                f"(write `{rule.op}?` if that is expected)",
+            )
+
+
+def _finish(
+    c: _Compiler, ws: WorkingSet, unmatched: A.Unmatched | None, gone: dict[str, A.Loc]
+) -> tuple[list[OutputTensor], list[Dropped]]:
+    """The set after the last rule: outputs, the unmatched policy, and the dropped inputs."""
     policy = unmatched.policy if unmatched else "error"
     where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)
+    leftovers = [item for item in ws.final if not item.touched]
     if leftovers and policy == "error":
-        names = [c.inputs[i].name for i in leftovers]
-        listing = "\n    ".join(compact_names(names))
+        listing = "\n    ".join(compact_names([i.spec.name for i in leftovers]))
         c.report(
             where,
-            f"{len(names)} input tensor(s) match no rule (add rules, or `unmatched keep` /"
+            f"{len(leftovers)} input tensor(s) match no rule (add rules, or `unmatched keep` /"
             f" `unmatched drop`):\n    {listing}",
         )
-    for i in leftovers:
-        spec = c.inputs[i]
-        if policy == "keep":
-            outputs.append((i, OutputTensor(name=spec.name, node=_source(spec), origin=where)))
-        elif policy == "drop":
-            dropped.append(Dropped(name=spec.name, origin=where))
+    kept = [i for i in ws.final if i.touched or policy == "keep"]
+    for item in leftovers:
+        if policy == "drop":
+            gone[item.spec.name] = where
+    kept.sort(key=lambda i: (i.order, i.spec.name))
+    outputs = [OutputTensor(name=i.spec.name, node=i.node, origin=i.origin or where) for i in kept]
+    used = {s.name for o in outputs for s in o.node.sources()}
+    dropped = [
+        Dropped(name=s.name, origin=gone.get(s.name, where))
+        for s in c.inputs
+        if s.name not in used and (s.name in gone or policy == "drop")
+    ]
+    return outputs, dropped
 
 
 def _edit_config(
@@ -402,46 +402,3 @@ def _edit_config(
     except (TypeError, ValueError) as err:  # pragma: no cover - configs come from JSON
         raise MappingError(f"the output config is not JSON: {err}") from None
     return out_config
-
-
-def _source(spec: TensorSpec) -> Node:
-    return Source(dtype=spec.dtype, shape=spec.shape, name=spec.name)
-
-
-def _check_names(outputs: list[OutputTensor], c: _Compiler) -> None:
-    seen: dict[str, OutputTensor] = {}
-    for o in outputs:
-        bad = _bad_name(o.name)
-        if bad:
-            c.report(o.origin, f"output name {o.name[:80]!r} {bad}")
-        if o.name in seen:
-            first, here = seen[o.name].node.sources()[0].name, o.node.sources()[0].name
-            c.report(
-                o.origin,
-                f"output `{o.name}` (from `{here}`) is also made from `{first}`"
-                f" by the rule at {seen[o.name].origin}",
-            )
-        else:
-            seen[o.name] = o
-
-
-def _bad_name(name: str) -> str | None:
-    if not name:
-        return "is empty"
-    if name == "__metadata__":
-        return "is reserved by safetensors"
-    if _CONTROL.search(name):
-        return "contains control characters"
-    if not is_utf8(name):
-        return "contains a lone surrogate, which is not UTF-8"
-    # Names are module paths to every loader (`model.layers.0.w`): whitespace, path
-    # separators and empty segments never name a parameter, and look like path tricks.
-    if any(ch.isspace() for ch in name):
-        return "contains whitespace"
-    if "/" in name or "\\" in name:
-        return "contains a path separator; tensor names are dotted module paths"
-    if name.startswith(".") or name.endswith(".") or ".." in name:
-        return "has an empty dotted segment"
-    if len(name) > MAX_NAME_CHARS:
-        return f"is longer than {MAX_NAME_CHARS} characters"
-    return None

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weightmap.language import ast as A
-from weightmap.language.expr import EvalError, Scope, compile_expr, truth
+from weightmap.language.expr import compile_expr
+from weightmap.language.values import EvalError, Scope, truth
 
 __all__ = ["apply_config_block"]
 

@@ -25,8 +25,9 @@ from weightmap.compiler.ops import (
     template_names,
 )
 from weightmap.language import ast as A
-from weightmap.language.expr import Scope, compile_template, show
-from weightmap.plan.nodes import Concat, Node, Source, Stack
+from weightmap.language.expr import compile_template
+from weightmap.language.values import Scope, show
+from weightmap.plan.nodes import Concat, Node, Stack
 
 __all__ = ["Members", "build_group", "members_of"]
 
@@ -54,32 +55,79 @@ class Members:
         return f"pattern {member + 1}"
 
 
+def _several_patterns(rule: A.Rule, names: list[set[str]]) -> Members:
+    if rule.over is not None:
+        raise RuleProblem(
+            f"`over {rule.over}`: with several patterns the members are the patterns, in the "
+            f"order listed; drop `over {rule.over}`, or write one pattern with a "
+            f"{{{rule.over}}} capture"
+        )
+    if any(isinstance(x, A.Alt) for p in rule.patterns for x in p.parts):
+        raise RuleProblem(
+            "an unnamed {a,b} alternative in one of several patterns cannot tell members "
+            "apart: name it ({p:a,b}) and use it in the output, or list each pattern"
+        )
+    if any(n != names[0] for n in names):
+        raise RuleProblem("the patterns of a merge/stack must have the same named captures")
+    return Members("patterns", None, (), sorted(names[0]))
+
+
+def _unnamed_alternative(rule: A.Rule, free: set[str]) -> Members | None:
+    """Members told apart by the pattern's one unnamed ``{a,b}``, when that is the scheme."""
+    alts = [x for x in rule.patterns[0].parts if isinstance(x, A.Alt)]
+    if not alts:
+        return None
+    words = ", ".join("{" + ",".join(a.alts) + "}" for a in alts)
+    if free or rule.over is not None:
+        var = rule.over or sorted(free)[0]
+        raise RuleProblem(
+            f"the members are told apart by {{{var}}}, but the unnamed alternative {words} "
+            "would put different tensors in one member: name it (e.g. {p:"
+            f"{','.join(alts[0].alts)}}}) and use {{p}} in the output"
+        )
+    if len(alts) > 1:
+        raise RuleProblem("use one {a,b} alternative to tell the members apart, not several")
+    names = {c.name for c in rule.patterns[0].captures}
+    return Members("words", "_alt0", alts[0].alts, sorted(names))
+
+
 def members_of(rule: A.Rule, params: set[str]) -> Members:
     """Work out the member scheme of a merge/stack rule (RuleProblem if there is none)."""
     used = template_names(rule.outputs[0]) - params
-    pats = rule.patterns
-    names = [{c.name for c in p.captures} for p in pats]
-    alts = [p for p in pats[0].parts if isinstance(p, A.Alt)]
-    if len(pats) > 1:
-        if any(n != names[0] for n in names) or any(
-            isinstance(x, A.Alt) for p in pats for x in p.parts
-        ):
-            raise RuleProblem("the patterns of a merge/stack must have the same named captures")
-        return Members("patterns", None, (), sorted(names[0]))
-    free = sorted(names[0] - used)
-    if alts and not free:
-        if len(alts) > 1:
-            raise RuleProblem("use one {a,b} alternative to tell the members apart, not several")
-        return Members("words", "_alt0", alts[0].alts, sorted(names[0]))
-    if len(free) != 1 or alts:
+    names = [{c.name for c in p.captures} for p in rule.patterns]
+    if len(rule.patterns) > 1:
+        return _several_patterns(rule, names)
+    free = names[0] - used
+    if rule.over is not None:
+        if rule.over not in names[0]:
+            raise RuleProblem(f"`over {rule.over}`: the pattern has no capture {{{rule.over}}}")
+        if rule.over in used:
+            raise RuleProblem(
+                f"`over {rule.over}`: the output uses {{{rule.over}}}, so every member would "
+                "get an output of its own; leave it out of the output"
+            )
+    by_words = _unnamed_alternative(rule, free)
+    if by_words is not None:
+        return by_words
+    if rule.over is not None and free - {rule.over}:
+        extra = ", ".join(f"{{{x}}}" for x in sorted(free - {rule.over}))
         raise RuleProblem(
-            "cannot tell the members apart: name exactly one capture the output does not use"
-            f" ({'unused: ' + ', '.join(free) if free else 'every capture is used'})"
+            f"the output must use every capture but {{{rule.over}}}: without {extra}, "
+            "different groups would get the same output name"
         )
-    (var,) = free
-    if rule.over is not None and rule.over != var:
-        raise RuleProblem(f"`over {rule.over}`, but the capture the output leaves out is {var}")
-    cap = next(c for c in pats[0].captures if c.name == var)
+    if rule.over is None and len(free) != 1:
+        if not free:
+            raise RuleProblem(
+                "cannot tell the members apart: the output uses every capture; leave out the "
+                "one the members differ by (e.g. {e:int}), or list several patterns"
+            )
+        listing = ", ".join(f"{{{x}}}" for x in sorted(free))
+        raise RuleProblem(
+            f"the output leaves out {listing}: leave out exactly one, the capture the members "
+            "differ by, and use the others in the output"
+        )
+    var = rule.over or next(iter(free))
+    cap = next(c for c in rule.patterns[0].captures if c.name == var)
     if cap.kind == "int":
         return Members("int", var, (), sorted(names[0] - {var}))
     if cap.kind == "alt":
@@ -129,7 +177,7 @@ def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]
     dtypes = {s.dtype for s in specs}
     if len(dtypes) > 1:
         raise RuleProblem(f"members have different dtypes: {', '.join(sorted(dtypes))}")
-    srcs = tuple(Source(dtype=s.dtype, shape=s.shape, name=s.name) for s in specs)
+    srcs = tuple(m.node for m in ordered)
     s = Scope(scope.params, scope.config, caps)
     listing = ", ".join(f"`{x.name}` {list(x.shape)}" for x in specs)
     if rule.op == "stack":

@@ -3,8 +3,11 @@
 A rule inverts when its output names keep every capture of its input pattern (so the input
 name can be rebuilt) and its operation loses nothing:
 
+* the rules come back in reverse order: rules apply in order, each to what the rules above it
+  left, so the last one is undone first;
 * rename/keep: output template <-> input pattern; a hole ``{n - 1}`` becomes ``{n:int}`` and
   the way back writes ``{n + 1}``;
+* copy (fan-out): the source went on unchanged, so the inverse drops the copies;
 * split/chunk <-> merge; stack <-> unstack; transpose is its own inverse; permute inverts its
   order; reshape needs ``from [...]`` (the shape to go back to); merge needs ``sizes``;
 * cast needs ``from`` and must widen (every value of the source type is exact in the target:
@@ -25,10 +28,11 @@ from weightmap.compiler.ops import template_names
 from weightmap.errors import MappingError
 from weightmap.format.dtypes import DTYPES
 from weightmap.language import ast as A
-from weightmap.language.expr import TENSOR_NAMES, resolve_dtype
+from weightmap.language.expr import resolve_dtype
 from weightmap.language.mapping import Mapping, from_program
 from weightmap.language.parse import parse_program
 from weightmap.language.unparse import pattern_text, template_text, unparse
+from weightmap.language.values import TENSOR_NAMES
 from weightmap.plan.nodes import int_cast_fits
 
 __all__ = ["invert", "invert_program", "lossless_cast"]
@@ -140,6 +144,17 @@ def _subst(e: Any, subst: dict[str, A.Expr], caps: set[str]) -> Any:
     return e
 
 
+def _is_minus_one(e: A.Expr) -> bool:
+    if isinstance(e, A.Lit):
+        return e.value == -1 and type(e.value) is int
+    return (
+        isinstance(e, A.Unary)
+        and e.op == "-"
+        and isinstance(e.operand, A.Lit)
+        and (e.operand.value == 1)
+    )
+
+
 def _const(e: A.Expr | None) -> Any:
     if isinstance(e, A.Lit):
         return e.value
@@ -157,6 +172,16 @@ def _invert_rule(r: A.Rule) -> A.Rule:
     rep = dataclasses.replace
     if op == "keep":
         return r
+    if op == "copy":
+        # Fan-out: the source goes on as it is, so undoing it is dropping the copies.
+        (p,) = r.patterns
+        copies = []
+        for t in r.outputs:
+            back, _subst_unused = _to_pattern(t, caps)
+            copies.append(back)
+        where = _subst(r.where, {}, set(caps)) if r.where is not None else None
+        return A.Rule(op="drop", optional=r.optional, patterns=tuple(copies), where=where,
+                      outputs=(), loc=r.loc)  # fmt: skip
     if op in ("rename", "transpose", "permute", "reshape", "cast"):
         (p,) = r.patterns
         if r.outputs:
@@ -178,8 +203,12 @@ def _invert_rule(r: A.Rule) -> A.Rule:
         if op == "reshape":
             if r.from_shape is None:
                 raise _Refuse("reshape needs `from [...]` to know the shape to go back to")
-            if -1 in _const(r.to_shape) if isinstance(r.to_shape, A.ListExpr) else True:
-                raise _Refuse("reshape `to` must be a constant list without -1 to invert")
+            if not isinstance(r.to_shape, A.ListExpr) or any(
+                _is_minus_one(x) for x in r.to_shape.items
+            ):
+                raise _Refuse(
+                    "reshape `to` must be a list without -1 to invert (it becomes `from`)"
+                )
             return rep(new, from_shape=r.to_shape, to_shape=r.from_shape)
         if op == "cast":
             if r.from_dtype is None:
@@ -244,13 +273,19 @@ def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
 
 
 def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stmt, ...]:
+    """Each statement inverted, rules and config blocks in reverse order, params first.
+
+    Rules apply in order, each to what the rules above it left, so undoing them means undoing
+    the last one first: the inverse of ``A`` then ``B`` is ``B⁻¹`` then ``A⁻¹``.
+    """
+    params: list[A.Stmt] = []
     out: list[A.Stmt] = []
     for st in stmts:
         try:
             if isinstance(st, A.Rule):
                 out.append(_invert_rule(st))
-            elif isinstance(st, (A.Param,)):
-                out.append(st)
+            elif isinstance(st, A.Param):
+                params.append(st)
             elif isinstance(st, A.Unmatched):
                 if st.policy == "drop":
                     raise _Refuse("`unmatched drop` loses tensors")
@@ -267,7 +302,7 @@ def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stm
                 out.append(A.ConfigBlock(stmts=moves, loc=st.loc))
         except _Refuse as why:
             problems.append(f"{st.loc}: cannot invert this {_kind(st)}: {why}")
-    return tuple(out)
+    return (*params, *reversed(out))
 
 
 def _kind(st: A.Stmt) -> str:

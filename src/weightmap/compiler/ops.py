@@ -8,22 +8,14 @@ and carries on with the next match, so that one run reports every problem.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language import ast as A
-from weightmap.language.expr import (
-    EvalError,
-    Scope,
-    compile_expr,
-    compile_template,
-    resolve_dtype,
-    show,
-)
-from weightmap.plan.nodes import Cast, Node, Permute, Reshape, Slice, Source
-from weightmap.plan.plan import Dropped
+from weightmap.language.expr import compile_expr, compile_template, resolve_dtype
+from weightmap.language.values import EvalError, Scope, brief
+from weightmap.plan.nodes import Cast, Node, Permute, Reshape, Slice
 
 __all__ = ["FLOAT_CASTS", "INT_CASTS", "Match", "RuleProblem", "build_simple", "check_cast"]
 
@@ -36,12 +28,15 @@ class RuleProblem(LocatedProblem):
     """A rule cannot be applied to a match; ``loc`` is None for the rule's own location."""
 
 
-@dataclass(frozen=True)
-class Match:
-    """An input tensor a rule consumed: its position, spec, captures and which pattern."""
+class Match(NamedTuple):
+    """A tensor a rule took from the working set: its current name, dtype and shape, the node
+    that computes it, the pattern's captures and which of the rule's patterns matched.
 
-    index: int
+    A tuple, not a dataclass: one is made per tensor and hop, 100,000s per compile.
+    """
+
     spec: TensorSpec
+    node: Node
     caps: dict[str, Any]
     pattern_index: int
 
@@ -57,14 +52,14 @@ def evaluate(e: A.Expr, scope: Scope) -> Any:
 def as_int(v: Any, what: str) -> int:
     """``v`` as an int, or a RuleProblem naming ``what``."""
     if not isinstance(v, int) or isinstance(v, bool):
-        raise RuleProblem(f"{what} must be an integer, got {show(v)}")
+        raise RuleProblem(f"{what} must be an integer, got {brief(v)}")
     return v
 
 
 def as_ints(v: Any, what: str) -> list[int]:
     """``v`` as a list of ints."""
     if not isinstance(v, list):
-        raise RuleProblem(f"{what} must be a list of integers, got {show(v)}")
+        raise RuleProblem(f"{what} must be a list of integers, got {brief(v)}")
     return [as_int(x, what) for x in v]
 
 
@@ -88,18 +83,17 @@ def check_cast(src: str, dst: str) -> str | None:
     )
 
 
-def build_simple(
-    rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node], None]
-) -> Dropped | None:
-    """Apply a one-input rule (everything but merge and stack) to one match."""
+def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node], None]) -> None:
+    """Apply a one-input rule (everything but drop, merge and stack) to one match."""
     spec = m.spec
-    src: Node = Source(dtype=spec.dtype, shape=spec.shape, name=spec.name)
+    src = m.node
     s = scope.with_tensor(spec, m.caps)
     op, rank, name = rule.op, len(spec.shape), f"`{spec.name}` {list(spec.shape)}"
-    if op == "drop":
-        return Dropped(name=spec.name, origin=rule.loc)
     if op in ("keep", "rename"):
         emit(_name(rule, s), src)
+    elif op == "copy":
+        for t in rule.outputs:
+            emit(namer(t)(s), src)
     elif op == "cast":
         dst = resolve_dtype(rule.to_dtype or "") or ""
         if dst == spec.dtype:
@@ -146,7 +140,6 @@ def build_simple(
             piece = Slice(dtype=spec.dtype, shape=piece_shape, src=src, dim=d, start=i, stop=i + 1)
             out = tmpl(scope.with_tensor(spec, {**m.caps, var: i}))
             emit(out, Reshape(dtype=spec.dtype, shape=shape, src=piece))
-    return None
 
 
 _TEMPLATES: dict[int, tuple[A.Template, Callable[[Scope], str]]] = {}

@@ -1,9 +1,9 @@
 """Tensor-name patterns as regular expressions, and first-match dispatch over many rules.
 
-Speed matters here (100,000 tensors in well under a second), so every pattern of every active
-rule is joined into one alternation ``(?P<_0>...)|(?P<_1>...)|...``: Python's regex engine
-tries the alternatives in order, in C, so one ``fullmatch`` per tensor finds the first rule
-whose pattern matches. Only when that rule's ``where`` filter says no do we fall back to
+Speed matters here (100,000 tensors in well under a second), so every pattern of the rules a
+tensor may still meet is joined into one alternation ``(?P<_0>...)|(?P<_1>...)|...``: Python's
+regex engine tries the alternatives in order, in C, so one ``fullmatch`` per tensor finds the
+first rule whose pattern matches. Only when that rule's ``where`` filter says no do we fall back to
 trying the later alternatives one by one.
 """
 
@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
+from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
 
 __all__ = ["Alternative", "Matcher", "compile_pattern", "pattern_regex"]
@@ -51,10 +53,17 @@ def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, 
 
 def compile_pattern(p: A.Pattern) -> re.Pattern[str]:
     """One pattern as a compiled regex (use with ``fullmatch``)."""
+    return _single(p)
+
+
+@lru_cache(maxsize=4096)
+def _single(p: A.Pattern) -> re.Pattern[str]:
+    # Patterns are frozen values: the same pattern is compiled once, however many matchers
+    # (one per starting rule, see route.py) include it.
     return re.compile(pattern_regex(p)[0], re.DOTALL)
 
 
-Filter = Callable[[int, dict[str, Any]], bool]
+Filter = Callable[[TensorSpec, dict[str, Any]], bool]
 
 
 @dataclass
@@ -68,10 +77,12 @@ class Alternative:
 
 
 class Matcher:
-    """Finds, for each input name, the first (rule, pattern) that matches and accepts it."""
+    """Finds, for a tensor, the first (rule, pattern) that matches its name and accepts it."""
 
     def __init__(self, alternatives: Sequence[Alternative]) -> None:
         self.alternatives = list(alternatives)
+        # (rule, pattern index) of each alternative, for the routing's hot path.
+        self.owners = [(a.rule, a.pattern_index) for a in self.alternatives]
         sources, self._groups, self._singles = [], [], []
         self._outer: dict[int, int] = {}
         self._fast: list[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = []
@@ -86,14 +97,15 @@ class Matcher:
             numbers = tuple(range(group_count - len(caps) + 1, group_count + 1))
             ints = tuple(i for i, (_n, kind) in enumerate(caps) if kind == "int")
             self._fast.append((tuple(n for n, _k in caps), numbers, ints))
-            self._singles.append(re.compile(pattern_regex(alt.pattern)[0], re.DOTALL))
+            self._singles.append(_single(alt.pattern))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
 
-    def match(self, index: int, name: str) -> tuple[int, dict[str, Any]] | None:
-        """``(alternative, captures)`` for input number ``index`` called ``name``, or None.
+    def match(self, spec: TensorSpec) -> tuple[int, dict[str, Any]] | None:
+        """``(alternative, captures)`` for the tensor ``spec``, or None.
 
         ``accept`` filters may raise (an expression error); the caller reports it.
         """
+        name = spec.name
         m = self._combined.fullmatch(name)
         if m is None:
             return None
@@ -110,7 +122,7 @@ class Matcher:
                 values[i] = int(values[i])
             caps = dict(zip(names, values, strict=True))
         accept = self.alternatives[k].accept
-        if accept is None or accept(index, caps):
+        if accept is None or accept(spec, caps):
             return k, caps
         for j in range(k + 1, len(self.alternatives)):
             mj = self._singles[j].fullmatch(name)
@@ -120,6 +132,6 @@ class Matcher:
                 n: int(mj.group(n)) if is_int else mj.group(n) for n, _g, is_int in self._groups[j]
             }
             accept = self.alternatives[j].accept
-            if accept is None or accept(index, caps):
+            if accept is None or accept(spec, caps):
                 return j, caps
         return None

@@ -31,6 +31,7 @@ __all__ = [
     "Expr",
     "Glob",
     "If",
+    "IfExp",
     "Include",
     "Index",
     "ListExpr",
@@ -110,7 +111,7 @@ class Index:
 
 @dataclass(frozen=True, kw_only=True)
 class Call:
-    """``func(args)``: one of the built-in functions (len, has, min, max)."""
+    """``func(args)``: one of the built-in functions (see ``expr.FUNCTIONS``)."""
 
     func: str
     args: tuple[Expr, ...]
@@ -133,6 +134,16 @@ class BinOp:
     op: str
     left: Expr
     right: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IfExp:
+    """``then if cond else orelse``."""
+
+    cond: Expr
+    then: Expr
+    orelse: Expr
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
@@ -172,7 +183,7 @@ class Exists:
 
 
 Expr = Union[  # noqa: UP007  # an alias spelled the same way as the others below
-    Lit, Name, ConfigRef, Attr, Index, Call, Unary, BinOp, ListExpr, DictExpr, Comp, Exists
+    Lit, Name, ConfigRef, Attr, Index, Call, Unary, BinOp, IfExp, ListExpr, DictExpr, Comp, Exists
 ]
 
 # ---------------------------------------------------------------- patterns and templates
@@ -284,6 +295,7 @@ RuleOp = Literal[
     "rename",
     "keep",
     "drop",
+    "copy",
     "split",
     "chunk",
     "merge",

@@ -16,16 +16,10 @@ from typing import Any
 
 from weightmap.errors import MappingError, MappingSyntaxError
 from weightmap.language import ast as A
-from weightmap.language.expr import (
-    TENSOR_NAMES,
-    WORK_LIMIT,
-    EvalError,
-    Scope,
-    compile_expr,
-    resolve_dtype,
-)
+from weightmap.language.expr import compile_expr, resolve_dtype
 from weightmap.language.parse import parse_program
 from weightmap.language.resources import data_dir
+from weightmap.language.values import TENSOR_NAMES, WORK_LIMIT, EvalError, Scope
 
 __all__ = [
     "PRESET_SUFFIX",

@@ -8,6 +8,7 @@ string.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from typing import Any, NoReturn
@@ -17,6 +18,7 @@ from lark.exceptions import LarkError, UnexpectedInput
 
 from weightmap.language import ast as A
 from weightmap.language import grammar
+from weightmap.language.functions import FUNCTIONS
 from weightmap.language.hints import lark_error, syntax_error
 
 __all__ = ["LANGUAGE_VERSION", "parse_pattern", "parse_program", "parse_template", "syntax_error"]
@@ -26,7 +28,6 @@ LANGUAGE_VERSION = 1
 # a few levels), well inside Python's int-parsing and recursion limits.
 MAX_INT_DIGITS = 100
 MAX_EXPR_DEPTH = 100
-_FUNCTIONS = ("has", "len", "min", "max")
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -221,16 +222,23 @@ class _Builder:
             func = str(c[0])
             # Checked here: the evaluator would only find out when building the call, where
             # its EvalError is not one of ours.
-            if func not in _FUNCTIONS:
+            if func not in FUNCTIONS:
+                close = difflib.get_close_matches(func, FUNCTIONS, n=1)
+                hint = f"did you mean `{close[0]}`?" if close else None
                 syntax_error(
                     self.text,
                     loc,
-                    f"unknown function `{func}`",
-                    "the functions are has, len, min, max",
+                    f"unknown function `{func}` (the functions are {', '.join(FUNCTIONS)})",
+                    hint,
                 )
-            if func in ("has", "len") and len(args) != 1:
-                syntax_error(self.text, loc, f"{func}() takes one argument, got {len(args)}")
+            fewest, most = FUNCTIONS[func]
+            if len(args) < fewest or (most is not None and len(args) > most):
+                want = str(fewest) if fewest == most else f"{fewest} to {most or 'any'}"
+                syntax_error(self.text, loc, f"{func}() takes {want} argument(s), got {len(args)}")
             return A.Call(func=func, args=args, loc=loc)
+        if kind == "ifexp":
+            then_e, cond_e, else_e = (self.expr(x, loc) for x in c)
+            return A.IfExp(cond=cond_e, then=then_e, orelse=else_e, loc=loc)
         if kind == "neg":
             return A.Unary(op="-", operand=self.expr(c[0], loc), loc=loc)
         if kind == "not_":

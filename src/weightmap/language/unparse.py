@@ -11,13 +11,13 @@ __all__ = ["pattern_text", "template_text", "unparse", "unparse_expr"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WORDS = (
-    "weightmap param include unmatched require else warn if rename keep drop split chunk merge "
-    "stack unstack transpose permute reshape cast dim dims sizes over to from where config "
+    "weightmap param include unmatched require else warn if rename keep drop copy split chunk "
+    "merge stack unstack transpose permute reshape cast dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
-           "not in": 4, "+": 5, "-": 5, "*": 6, "//": 6, "%": 6}  # fmt: skip
+           "not in": 4, "+": 5, "-": 5, "*": 6, "//": 6, "/": 6, "%": 6}  # fmt: skip
 
 
 def _s(text: str) -> str:
@@ -70,6 +70,10 @@ def _expr(e: A.Expr) -> str:
         right_min = p + 1
         left_min = p + 1 if p == 4 else p
         return f"{unparse_expr(e.left, left_min)} {e.op} {unparse_expr(e.right, right_min)}"
+    if isinstance(e, A.IfExp):
+        # Always parenthesised: the grammar only reads a conditional inside parentheses.
+        then, cond = unparse_expr(e.then, 1), unparse_expr(e.cond, 1)
+        return f"({then} if {cond} else {unparse_expr(e.orelse)})"
     if isinstance(e, A.ListExpr):
         return "[" + ", ".join(unparse_expr(x) for x in e.items) + "]"
     if isinstance(e, A.DictExpr):

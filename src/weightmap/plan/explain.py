@@ -18,19 +18,26 @@ def _shape(dtype: str, shape: tuple[int, ...]) -> str:
 
 
 def _op(node: Node) -> str:
-    """The operation applied at the top of a node, innermost first (``cast(slice)``)."""
+    """The operations that make a node, first to last (``reshape [..], permute [..], cast``).
+
+    A stack or concat shows what was done to its first member before the join.
+    """
     if isinstance(node, Source):
         return "="
     if isinstance(node, Slice):
-        inner = _op(node.src)
-        here = f"slice dim {node.dim} [{node.start}:{node.stop}]"
+        inner, here = _op(node.src), f"slice dim {node.dim} [{node.start}:{node.stop}]"
     elif isinstance(node, (Concat, Stack)):
         word = "concat" if isinstance(node, Concat) else "stack"
-        inner, here = "=", f"{word} dim {node.dim} of {len(node.srcs)}"
+        inner = _op(node.srcs[0])
+        n = len(node.srcs)
+        if inner == "=":
+            here = f"{word} dim {node.dim} of {n}"
+        else:
+            inner, here = f"{inner} (each of {n})", f"{word} dim {node.dim}"
     elif isinstance(node, Permute):
         inner, here = _op(node.src), f"permute {list(node.perm)}"
     elif isinstance(node, Reshape):
-        inner, here = _op(node.src), "reshape"
+        inner, here = _op(node.src), f"reshape {list(node.shape)}"
     else:
         assert isinstance(node, Cast)
         inner, here = _op(node.src), f"cast {node.src.dtype}->{node.dtype}"

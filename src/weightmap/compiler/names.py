@@ -1,0 +1,53 @@
+"""Which output names weightmap writes, and why it refuses the few it does.
+
+A safetensors key is any JSON string. Loaders address tensors by name: PyTorch state dicts use
+dotted module paths, Keras and Flax checkpoints use ``encoder/layers_0/kernel``, and weightmap
+writes whatever the mapping says as long as a file can hold it and a reader can tell it apart.
+Refused, each for a reason a user can act on:
+
+- the empty name (nothing can load or address it);
+- ``__metadata__`` (the header's reserved key: it would be read as metadata);
+- control characters (``\\n``, ``\\x00``...): valid JSON, but no real checkpoint has them, they
+  corrupt logs and listings, and they almost always mean a template went wrong;
+- lone surrogates (not UTF-8: the header could not be written);
+- names over 1024 characters (far past any real name; a runaway template would otherwise blow
+  up the header).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from weightmap.format.text import is_utf8
+from weightmap.language import ast as A
+from weightmap.plan.plan import OutputTensor
+
+__all__ = ["MAX_NAME_CHARS", "bad_name", "check_names"]
+
+MAX_NAME_CHARS = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def bad_name(name: str) -> str | None:
+    """Why ``name`` cannot be an output tensor's name, or None if it can."""
+    if not name:
+        return "is empty"
+    if name == "__metadata__":
+        return "is reserved by safetensors for the header's metadata"
+    if _CONTROL.search(name):
+        return "contains control characters"
+    if not is_utf8(name):
+        return "contains a lone surrogate, which is not UTF-8"
+    if len(name) > MAX_NAME_CHARS:
+        return f"is longer than {MAX_NAME_CHARS} characters"
+    return None
+
+
+def check_names(outputs: Sequence[OutputTensor], report: Callable[[A.Loc, str], None]) -> None:
+    """Report every output whose name cannot be written (collisions are caught as they happen,
+    see route.py)."""
+    for o in outputs:
+        why = bad_name(o.name)
+        if why:
+            report(o.origin, f"output name {o.name[:80]!r} {why}")

@@ -1,0 +1,220 @@
+"""Rules in order: each rule applies to the working set the rules above it left.
+
+The working set starts as the input tensors. Each rule, in program order, takes the tensors
+of the set that match it (its pattern, then its ``where`` and cast ``from``) and puts its
+outputs back; tensors it does not match pass by unchanged. So a rule sees the outputs of the
+rules above it (composition: transpose, then cast what came out), never those below it, and a
+tensor only ever moves forward through the rule list: there are no loops.
+
+Names in the set are unique at every moment. An output whose name another tensor of the set
+still holds is a collision, reported with both origins (two renames that swap names collide:
+go through a temporary name).
+
+Routing is done tensor by tensor, not rule by rule: a tensor is matched once against "the
+first rule at or after position p", with one combined regex per starting position (built on
+demand), so a 100,000-tensor checkpoint costs one regex match per tensor and per hop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightmap.compiler.ops import Match
+from weightmap.compiler.pattern import Alternative, Filter, Matcher, compile_pattern
+from weightmap.errors import LocatedProblem
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language import ast as A
+from weightmap.language.expr import compile_expr, resolve_dtype
+from weightmap.language.values import EvalError, Scope, truth
+from weightmap.plan.nodes import Node, Source
+
+__all__ = ["Item", "Router", "WorkingSet"]
+
+Report = Callable[[A.Loc, str], None]
+
+
+@dataclass(eq=False, slots=True)
+class Item:
+    """A tensor of the working set: its current name, dtype and shape, the node computing it,
+    the input position its output is ordered by, and who made it (None: an input)."""
+
+    spec: TensorSpec
+    node: Node
+    order: int
+    origin: A.Loc | None = None
+    # Some rule took it: the unmatched policy is only for inputs that no rule took.
+    touched: bool = False
+
+
+class _FilterError(LocatedProblem):
+    """A rule's ``where`` failed while routing; ``rule`` says which, so it is reported once."""
+
+    loc: A.Loc
+
+    def __init__(self, rule: int, loc: A.Loc, message: str) -> None:
+        super().__init__(message, loc)
+        self.rule = rule
+
+
+class Router:
+    """Finds, for a tensor, the first rule at or after a position that takes it."""
+
+    def __init__(self, rules: Sequence[A.Rule], scope: Scope) -> None:
+        self.rules = list(rules)
+        self._alts: list[list[Alternative]] = [
+            [Alternative(r, i, p, _filter(r, rule, scope)) for i, p in enumerate(rule.patterns)]
+            for r, rule in enumerate(self.rules)
+        ]
+        self._matchers: dict[int, Matcher] = {}
+
+    def matcher(self, start: int) -> Matcher:
+        """The matcher over every pattern of the rules from ``start`` on (built once)."""
+        found = self._matchers.get(start)
+        if found is None:
+            alts = [a for rule_alts in self._alts[start:] for a in rule_alts]
+            found = self._matchers[start] = Matcher(alts)
+        return found
+
+
+def _filter(r: int, rule: A.Rule, scope: Scope) -> Filter | None:
+    """The rule's ``where`` and cast ``from`` as one test of a tensor and its captures."""
+    where = compile_expr(rule.where) if rule.where is not None else None
+    want = resolve_dtype(rule.from_dtype) if rule.from_dtype else None
+    if where is None and want is None:
+        return None
+
+    def accept(spec: TensorSpec, caps: dict[str, Any]) -> bool:
+        if want is not None and spec.dtype != want:
+            return False
+        if where is None:
+            return True
+        try:
+            return truth(where(scope.with_tensor(spec, caps)), rule.loc, "where")
+        except EvalError as err:
+            raise _FilterError(r, err.loc, err.message) from None
+
+    return accept
+
+
+@dataclass
+class _Taken:
+    """Who took a name from the working set, and what it became (for 'matches nothing')."""
+
+    rule: A.Loc
+    became: str
+
+
+@dataclass
+class WorkingSet:
+    """The tensors between rules, and the history needed to explain what happened to them."""
+
+    router: Router
+    report: Report
+    alive: dict[str, Item] = field(default_factory=dict)
+    buckets: list[list[tuple[Item, Match]]] = field(default_factory=list)
+    final: list[Item] = field(default_factory=list)
+    taken: dict[str, _Taken] = field(default_factory=dict)
+    failed_filters: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.buckets = [[] for _ in self.router.rules]
+
+    def start(self, inputs: Sequence[TensorSpec]) -> None:
+        """Put the inputs in the set, each on its way to the first rule that takes it."""
+        alive, place = self.alive, self._place
+        for i, spec in enumerate(inputs):
+            if spec.name in alive:
+                continue  # duplicate input names are reported by the compiler
+            item = Item(spec, Source(dtype=spec.dtype, shape=spec.shape, name=spec.name), i)
+            alive[spec.name] = item
+            place(item, 0)
+
+    def _place(self, item: Item, start: int) -> None:
+        """Send ``item`` to the first rule from ``start`` that takes it, or to the end."""
+        if start >= len(self.buckets):
+            self.final.append(item)
+            return
+        matcher = self.router.matcher(start)
+        spec = item.spec
+        try:
+            hit = matcher.match(spec)
+        except _FilterError as err:
+            if err.rule not in self.failed_filters:
+                self.failed_filters.add(err.rule)
+                self.report(err.loc, f"{err.message} (while matching `{spec.name}`)")
+            # The compile fails on that problem; listing the tensor as unmatched too would
+            # only be noise.
+            item.touched = True
+            return
+        if hit is None:
+            self.final.append(item)
+            return
+        k, caps = hit
+        rule, pattern_index = matcher.owners[k]
+        self.buckets[rule].append((item, Match(spec, item.node, caps, pattern_index)))
+
+    def take(self, r: int) -> list[tuple[Item, Match]]:
+        """Rule ``r``'s matches, removed from the set."""
+        taken = self.buckets[r]
+        for item, _m in taken:
+            self.alive.pop(item.spec.name, None)
+        return taken
+
+    def pass_on(self, item: Item, r: int) -> None:
+        """Rule ``r`` took ``item`` and lets it go on unchanged (keep, the source of a copy)."""
+        item.touched = True
+        if item.origin is None:  # an input: the rule that kept it is where it comes from
+            item.origin = self.router.rules[r].loc
+        self.alive[item.spec.name] = item
+        self._place(item, r + 1)
+
+    def record(self, name: str, rule: A.Loc, became: str) -> None:
+        """Remember that ``rule`` took ``name`` and made ``became`` of it ("" for nothing)."""
+        self.taken[name] = _Taken(rule, became)
+
+    def put(self, item: Item, r: int) -> None:
+        """Add rule ``r``'s output; it continues to the rules below ``r``."""
+        item.touched = True
+        other = self.alive.get(item.spec.name)
+        if other is not None:
+            self.report(item.origin or self.router.rules[r].loc, _collision(item, other))
+            return
+        self.alive[item.spec.name] = item
+        self._place(item, r + 1)
+
+    def explain_nothing(self, pattern: A.Pattern) -> str | None:
+        """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
+        if pattern.is_literal:
+            hit = self.taken.get(pattern.text)
+            names = [pattern.text] if hit is not None else []
+        else:
+            rx = compile_pattern(pattern)
+            names = [n for n in self.taken if rx.fullmatch(n)][:1]
+        if not names:
+            return None
+        t = self.taken[names[0]]
+        what = "dropped it" if not t.became else f"made it `{t.became}`"
+        return f"`{names[0]}` was taken by the rule at {t.rule}, which {what}"
+
+
+def _collision(item: Item, other: Item) -> str:
+    here, there = item.node.sources(), other.node.sources()
+    made_from = f" (from `{here[0].name}`)" if here and here[0].name != item.spec.name else ""
+    if other.origin is not None and other.origin == item.origin:
+        first = there[0].name if there else other.spec.name
+        return (
+            f"output `{item.spec.name}`{made_from} is also made from `{first}` by the same "
+            "rule: the output name must tell them apart (use every capture in it)"
+        )
+    if other.origin is None:
+        return (
+            f"output `{item.spec.name}`{made_from} collides with the input `{other.spec.name}`, "
+            "which no rule has taken yet: rename one of them (to swap two names, rename one "
+            "to a temporary name first)"
+        )
+    return (
+        f"output `{item.spec.name}`{made_from} collides with `{other.spec.name}`, made by the "
+        f"rule at {other.origin} and still in the working set: rename one of them"
+    )
