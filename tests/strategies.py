@@ -45,7 +45,7 @@ from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, So
 # that generated programs reach the compiler, not only the parser.
 NAMES: st.SearchStrategy[str] = st.sampled_from([
     "i", "n", "e", "x", "layout", "dtype", "shape", "name", "f32", "bf16",
-    "len", "has", "min", "hidden_size", "a", "b",
+    "len", "has", "min", "int", "round", "ceil", "ceildiv", "abs", "hidden_size", "a", "b",
 ])  # fmt: skip
 STRINGS: st.SearchStrategy[str] = st.sampled_from([
     '"a.weight"', '"b.weight"', '"layers.{n:int}.{rest*}"', '"layers.{n}.w"', '"{x}.weight"',
@@ -114,6 +114,16 @@ def tensors(draw: st.DrawFn, name: str) -> torch.Tensor:
     return t.view(DTYPES[code].torch()).reshape(shape).clone()
 
 
+def _factorizations(n: int) -> list[tuple[int, ...]]:
+    """Shapes of ``n`` elements with one to three dims: a reshape to 3 dims under a permute
+    is what a rotary permute chain does, and needs the executor's multi-range reshape path."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    out: list[tuple[int, ...]] = [(n,)]
+    out += [(d, n // d) for d in divisors]
+    out += [(a, b, n // (a * b)) for a in divisors for b in divisors if (n // a) % b == 0]
+    return out
+
+
 @st.composite
 def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
     """Up to ``depth`` slice/concat/stack/permute/reshape/cast nodes stacked on ``base``."""
@@ -150,13 +160,7 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
             )
         elif op == "reshape":
             n = numel(node.shape)
-            shape = (
-                (0,)
-                if n == 0
-                else draw(
-                    st.sampled_from([(d, n // d) for d in range(1, n + 1) if n % d == 0] + [(n,)])
-                )
-            )
+            shape = (0,) if n == 0 else draw(st.sampled_from(_factorizations(n)))
             node = Reshape(src=node, dtype=node.dtype, shape=shape)
         elif op == "cast":
             kind = DTYPES[node.dtype].kind
@@ -848,15 +852,41 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
     return {f"{p}.x": draw(tensor(shape, code))}, f'cast "{p}.x" to {target} -> "{p}.y"'
 
 
+def _chain(draw: st.DrawFn, p: str) -> list[str]:
+    """Up to three rules over whatever a block left under prefix ``p``: later rules read the
+    outputs of earlier ones (composition), and ``copy`` fans a tensor out. Each step works
+    whatever the shapes and dtypes (guarded by ``where``, optional where it may take nothing)."""
+    rules = []
+    for step in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["rename", "copy", "flatten", "transpose", "cast"]))
+        q = f"{p}{kind[0]}{step}"
+        if kind == "rename":
+            rules.append(f'rename "{p}.{{x*}}" -> "{q}.{{x}}"')
+            p = q
+        elif kind == "copy":
+            # The copies go under a new prefix; the originals go on under the old one.
+            rules.append(f'copy "{p}.{{x*}}" -> "{q}.{{x}}"')
+        elif kind == "flatten":
+            rules.append(f'reshape "{p}.**" to [-1]')
+        elif kind == "transpose":
+            rules.append(f'transpose? "{p}.**" dims [0, -1] where len(shape) >= 2')
+        else:
+            target = draw(st.sampled_from(["f32", "bf16", "f16", "f64"]))
+            rules.append(f'cast? "{p}.**" to {target} where dtype in [f16, bf16, f32, f64]')
+    return rules
+
+
 @st.composite
 def rule_programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], str]:
-    """A checkpoint's tensors and a program of one to three rule blocks over them."""
+    """A checkpoint's tensors and a program of one to three rule blocks over them, each block
+    followed by a chain of rules over its outputs."""
     tensors: dict[str, torch.Tensor] = {}
     rules = ["weightmap 1"]
     for j in range(draw(st.integers(1, 3))):
         inputs, rule = draw(block(j))
         tensors.update(inputs)
         rules.append(rule)
+        rules += _chain(draw, f"b{j}")
     return tensors, "\n".join(rules) + "\n"
 
 

@@ -56,17 +56,33 @@ def region(
         inner = dim if dim < node.dim else dim - 1
         return torch.stack([region(s, inner, start, stop, get, where) for s in node.srcs], node.dim)
     if isinstance(node, Reshape):
-        if numel(node.shape[:dim]) == 1:
-            # With only size-1 dims before it, a range along `dim` is a flat range of the
-            # source too.
-            per_out = numel(node.shape[dim + 1 :])
-            part = _flat(node.src, start * per_out, stop * per_out, get, where)
-            shape = list(node.shape)
-            shape[dim] = stop - start
-            return part.reshape(shape)
-        # Only reachable under a permute that moves a reshaped dim: computed whole.
-        return evaluate(node, get, where).narrow(dim, start, stop - start)
+        return _reshape_region(node, dim, start, stop, get, where)
     raise TypeError(f"unknown plan node {type(node).__name__}")
+
+
+def _reshape_region(
+    node: Reshape, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+) -> torch.Tensor:
+    """A reshape's region along ``dim``: one flat range of its source per outer index.
+
+    With only size-1 dims before ``dim`` that is a single range; under a permute that moves a
+    reshaped dim to the front (a rotary permute chain, say) it is one range per index of the
+    dims before it, each computed on its own, so memory stays that of the region.
+    """
+    import torch
+
+    outer = numel(node.shape[:dim])
+    extent = node.shape[dim]
+    inner = numel(node.shape[dim + 1 :])
+    shape = list(node.shape)
+    shape[dim] = stop - start
+    if outer == 1:
+        return _flat(node.src, start * inner, stop * inner, get, where).reshape(shape)
+    pieces = [
+        _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where)
+        for o in range(outer)
+    ]
+    return torch.cat(pieces).reshape(shape)
 
 
 def _flat(

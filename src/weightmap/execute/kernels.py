@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from weightmap.errors import ExecutionError
+from weightmap.execute.nans import settle, strategy
 from weightmap.format.dtypes import DTYPES
 from weightmap.plan.nodes import (
     Cast,
@@ -27,7 +28,7 @@ from weightmap.plan.nodes import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OPAQUE_DTYPES", "cast", "evaluate", "tensor_bytes"]
+__all__ = ["OPAQUE_DTYPES", "cast", "convert", "evaluate", "tensor_bytes"]
 
 # dtypes torch cannot compute with; they may only be moved byte for byte.
 OPAQUE_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
@@ -52,7 +53,18 @@ def cast(t: torch.Tensor, src: str, dst: str, where: str = "") -> torch.Tensor:
                 f"{where}: values in [{lo}, {hi}] do not fit in {dst} "
                 f"([{info.min}, {info.max}]); the cast would change them"
             )
-    return t.to(target.torch())
+    return convert(t, target.torch())
+
+
+def convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` with NaN bits that do not depend on how the tensor is split (nans.py)."""
+    how = strategy(t.dtype, dtype)
+    if how == "contiguous":
+        t = t.contiguous()
+    out = t.to(dtype)
+    if how == "settle":
+        settle(out, t)
+    return out
 
 
 def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") -> torch.Tensor:

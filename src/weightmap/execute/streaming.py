@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from weightmap.errors import ExecutionError, FormatError
 from weightmap.execute.chunks import chunk_plan, region, tree_nodes
 from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
+from weightmap.execute.nans import settle, strategy
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, nbytes, numel
@@ -239,7 +240,14 @@ class _Runner:
         ):
             src = region(node.src, dim, start, stop, self.ckpt.view, name)
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
+            how = strategy(src.dtype, out.dtype)
+            if how == "contiguous" and not src.is_contiguous():
+                staged = self._buffer(src.dtype, tuple(src.shape), slot=2)
+                self._copy_into(staged, src)  # same dtype: moves bytes, converts nothing
+                src = staged
             self._copy_into(out, src)
+            if how == "settle":
+                settle(out, src)
             return _memory(out)
         part = region(node, dim, start, stop, self.ckpt.view, name)
         if part.is_contiguous():

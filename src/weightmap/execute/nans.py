@@ -1,0 +1,111 @@
+"""Float casts whose NaNs come out with the same bits, however they are split into pieces.
+
+torch's conversion kernels do not agree about NaN payloads. Measured on x86 (AVX2, F16C):
+float16 -> float32 keeps a NaN's payload in the vectorised loop (``0x7fff`` -> ``0x7fffe000``)
+but writes ``0x7fffffff`` in the scalar loop that converts the last few elements of a run;
+float64 -> bfloat16 differs the same way; float32 -> bfloat16 differs between contiguous and
+strided sources. A run ends where a chunk ends, and also where torch splits a large tensor
+between its threads (at positions that depend on the thread count), so without care a chunked
+cast, a whole-tensor cast and two thread counts write different bytes for the same NaN.
+
+The first cast between two float dtypes probes the kernels once with every NaN pattern of the
+source (a sample for 32 and 64-bit types) through the vectorised, the scalar and the strided
+loop, and picks how that pair is cast from then on:
+
+- ``plain``: the loops agree (bfloat16 -> float32, the common cast, and most pairs): ``copy_``.
+- ``contiguous``: the vectorised and scalar loops agree and only strided sources differ
+  (float32 -> bfloat16): the source is made contiguous first, so every element goes through
+  loops that agree, wherever runs end.
+- ``settle``: the vectorised and scalar loops disagree (float16 -> float32, float64 ->
+  bfloat16): after the ``copy_``, one reduction tells whether any NaN came out (amax
+  propagates NaN; a float cast makes NaN of NaN and of nothing else), and only then are those
+  NaNs converted again by the scalar loop, a few at a time so no vector loop sees them.
+
+Values other than NaN are never touched. The choice is the kernels' on the machine at hand:
+two machines with different vector units may still differ in NaN payloads, never in values.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Strategy", "settle", "strategy"]
+
+Strategy = Literal["plain", "contiguous", "settle"]
+
+_BITS_DTYPE = {8: "uint8", 16: "int16", 32: "int32", 64: "int64"}
+# Shorter than any vector loop: a piece this long is converted by the scalar loop alone.
+_SCALAR_PIECE = 3
+
+
+def _nan_patterns(dtype: torch.dtype) -> torch.Tensor:
+    """NaNs of ``dtype``: all of them for 8 and 16-bit types, a sample for wider ones."""
+    import torch
+
+    bits = torch.finfo(dtype).bits
+    as_int = getattr(torch, _BITS_DTYPE[bits])
+    if bits <= 16:
+        words = torch.arange(2**bits, dtype=torch.int64)
+        words = torch.where(words >= 2 ** (bits - 1), words - 2**bits, words).to(as_int)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        words = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1, (1 << 16,), generator=gen)
+        words = words.to(as_int)
+    values = words.view(dtype)
+    nan = torch.isnan(values.to(torch.float64)) if bits < 64 else torch.isnan(values)
+    return values[nan].contiguous()
+
+
+def _scalar(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    flat = src.reshape(-1)
+    pieces = [flat[i : i + _SCALAR_PIECE].to(dtype) for i in range(0, flat.numel(), _SCALAR_PIECE)]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+
+
+@cache
+def strategy(src: torch.dtype, dst: torch.dtype) -> Strategy:
+    """How NaNs cast from ``src`` to ``dst`` get bits that do not depend on torch's loops."""
+    import torch
+
+    if not (src.is_floating_point and dst.is_floating_point) or src == dst:
+        return "plain"
+    pats = _nan_patterns(src)
+    if pats.numel() == 0:
+        return "plain"
+    as_bits = getattr(torch, _BITS_DTYPE[torch.finfo(dst).bits])
+    vector = pats.repeat(64).to(dst)[: pats.numel()].view(as_bits)
+    scalar = _scalar(pats, dst).view(as_bits)
+    strided = torch.stack([pats, pats], 1)[:, 0].to(dst).view(as_bits)
+    if not torch.equal(vector, scalar):
+        return "settle"
+    return "plain" if torch.equal(vector, strided) else "contiguous"
+
+
+def settle(out: torch.Tensor, src: torch.Tensor) -> None:
+    """For a ``settle`` pair: give the NaNs of ``out = src.to(...)`` the scalar loop's bits."""
+    import torch
+
+    if out.numel() == 0 or not _may_hold_nan(out, src):
+        return
+    mask = torch.isnan(out)
+    if bool(mask.any()):
+        out[mask] = _scalar(src[mask], out.dtype)
+
+
+def _may_hold_nan(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``out`` may hold a NaN, from one vectorised reduction over the wider side (its
+    reduction is the fast one: bfloat16's is several times slower than float32's)."""
+    import torch
+
+    for t in sorted((out, src), key=lambda t: -t.element_size()):
+        try:
+            return bool(torch.isnan(t.amax()))
+        except RuntimeError:  # no amax kernel for this dtype (float8)
+            continue
+    return True
