@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import weightmap
-from weightmap import CheckpointError, MappingSyntaxError
+from weightmap import CheckpointError, MappingError, MappingSyntaxError
 from weightmap.format.layout import JOURNAL_NAME
 
 EXE = [sys.executable, "-m", "weightmap"]
@@ -1058,3 +1058,32 @@ def test_input_metadata_is_carried_to_the_output(tmp_path: Path) -> None:
     weightmap.remap(bare, tmp_path / "out2", mapping='weightmap 1\nkeep "**"\n')
     with safe_open(tmp_path / "out2" / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+# ---------------------------------------------------------------- 11. one budget for config blocks
+
+
+def test_config_blocks_share_one_budget() -> None:
+    # 100 small blocks, each building 450,000 values: each used to get a fresh budget (14 s,
+    # 650 MB before the edited config was refused); one budget for all stops it early.
+    from weightmap.compiler.compile import compile_plan
+    from weightmap.format.dtypes import TensorSpec
+
+    blocks = "\n".join(f"config {{ x{i} = [[0] * 900] * 500 }}" for i in range(100))
+    mapping = weightmap.load_mapping('weightmap 1\nkeep "a"\n' + blocks)
+    with pytest.raises(MappingError, match=r"<string>:[3-7]:\d+: expression builds more than"):
+        compile_plan(mapping, [TensorSpec("a", "F32", (1,))], {})
+
+
+def test_a_long_string_literal_parses_in_small_memory() -> None:
+    # The grammar's string terminal used one regex group per character (~200 bytes each).
+    import tracemalloc
+
+    text = 'weightmap 1\nrename "a" -> "' + "x" * 90_000 + '"\n'
+    tracemalloc.start()
+    try:
+        weightmap.load_mapping(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 * 2**20, peak

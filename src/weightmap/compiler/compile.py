@@ -390,6 +390,8 @@ def _edit_config(
     c: _Compiler, blocks: list[A.ConfigBlock], config: dict[str, Any] | None, scope: Scope
 ) -> dict[str, Any] | None:
     out_config = copy.deepcopy(config) if config is not None else None
+    # One work budget for all config blocks together (see values.WORK_LIMIT).
+    scope = Scope(scope.params, config, {}, None, scope.exists)
     for block in blocks:
         if out_config is None:
             c.report(block.loc, "the mapping edits config.json but the checkpoint has none")

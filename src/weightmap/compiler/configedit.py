@@ -57,7 +57,9 @@ def _cond(e: A.Expr, scope: Scope, report: Report) -> bool | None:
 
 
 def _run(stmts: tuple[A.CfgStmt, ...], cfg: dict[str, Any], scope: Scope, report: Report) -> None:
-    here = Scope(scope.params, cfg, {}, None, scope.exists)
+    # Every block of a compile, and every branch inside one, spends the same budget: a value
+    # built in one block is carried by the config into the next.
+    here = Scope(scope.params, cfg, {}, None, scope.exists, budget=scope.budget)
     for st in stmts:
         if isinstance(st, A.CfgIf):
             ok = _cond(st.cond, here, report)
