@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightmap.compiler.arith import VALUE_OPS, build_value
 from weightmap.compiler.configedit import apply_config_block
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
@@ -53,7 +54,8 @@ class _Compiler:
         self.config = config
         self.problems: list[Problem] = []
         self.warnings: list[str] = []
-        self._exists: dict[str, bool] = {}
+        self._exists: dict[A.Pattern, bool] = {}
+        self._names: frozenset[str] | None = None
         self._counts: dict[A.Loc, int] = {}
         self.failed_require = False
         self.filter_failed: set[int] = set()
@@ -76,10 +78,14 @@ class _Compiler:
             seen.add(spec.name)
 
     def exists(self, pattern: A.Pattern) -> bool:
-        if pattern.text not in self._exists:
+        if pattern.is_literal:  # a name (or a pattern whose captures were bound): a lookup
+            if self._names is None:
+                self._names = frozenset(s.name for s in self.inputs)
+            return "".join(pattern.parts) in self._names  # type: ignore[arg-type]
+        if pattern not in self._exists:
             rx = compile_pattern(pattern)
-            self._exists[pattern.text] = any(rx.fullmatch(s.name) for s in self.inputs)
-        return self._exists[pattern.text]
+            self._exists[pattern] = any(rx.fullmatch(s.name) for s in self.inputs)
+        return self._exists[pattern]
 
     # ------------------------------------------------------------ params and statements
 
@@ -146,7 +152,7 @@ class _Compiler:
                 self.warnings.append(f"{st.loc}: {message}")
 
     def check_rule(self, rule: A.Rule) -> bool:
-        for word in (rule.from_dtype, rule.to_dtype):
+        for word in (rule.from_dtype, rule.to_dtype, rule.compute):
             if word is not None and not dtype_known(word):
                 self.report(
                     rule.loc, f"unknown dtype `{word}` (e.g. f32, bf16, f16, fp8_e4m3, i64)"
@@ -248,7 +254,7 @@ def run_rules(
                 ws.pass_on(item, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
-        if rule.op in ("merge", "stack"):
+        if rule.op in ("merge", "stack") or (rule.op in ("add", "mul") and len(rule.patterns) > 1):
             step.group(taken)
         else:
             for item, m in taken:
@@ -296,8 +302,9 @@ class _Step:
             # Fan-out: the source goes on as it is; the copies are new tensors.
             self.ws.pass_on(item, self.r)
         if self.rule.op != "drop":
+            build = build_value if self.rule.op in VALUE_OPS else build_simple
             try:
-                build_simple(self.rule, m, self.scope, self.emit)
+                build(self.rule, m, self.scope, self.emit)
             except LocatedProblem as p:  # shapes, dims, or an output name's template
                 self.report(p.loc, p.message)
         self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")

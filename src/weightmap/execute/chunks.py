@@ -9,9 +9,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from weightmap.execute import values
 from weightmap.execute.kernels import cast, evaluate
 from weightmap.format.dtypes import DTYPES, numel
-from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Cast,
+    Concat,
+    Mask,
+    Node,
+    Permute,
+    Quantize,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +71,55 @@ def region(
         return torch.stack([region(s, inner, start, stop, get, where) for s in node.srcs], node.dim)
     if isinstance(node, Reshape):
         return _reshape_region(node, dim, start, stop, get, where)
+    if isinstance(node, Arith):
+        return values.arith(region(node.src, dim, start, stop, get, where), node)
+    if isinstance(node, Binary):
+        return _binary_region(node, dim, start, stop, get, where)
+    if isinstance(node, Quantize):
+        return _quantize_region(node, dim, start, stop, get, where)
+    if isinstance(node, Mask):
+        # Positions can land anywhere in the output: the (small) source is read whole.
+        out = values.mask(evaluate(node.src, get, where), node, where)
+        return out.narrow(dim, start, stop - start)
     raise TypeError(f"unknown plan node {type(node).__name__}")
+
+
+def _block_dim(shape: tuple[int, ...], block: tuple[int, ...], dim: int) -> int | None:
+    """The block size along ``dim`` of a tensor of ``shape``, or None if ``dim`` has none."""
+    first = len(shape) - len(block)
+    return block[dim - first] if dim >= first else None
+
+
+def _binary_region(
+    node: Binary, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+) -> torch.Tensor:
+    """``a`` over the region, ``b`` over the blocks that cover it (a chunk may cut a block)."""
+    a = region(node.a, dim, start, stop, get, where)
+    size = _block_dim(node.shape, node.block, dim)
+    offsets = [0] * len(node.block)
+    if size is None:
+        b = region(node.b, dim, start, stop, get, where)
+    else:
+        lo, hi = start // size, (stop - 1) // size + 1
+        b = region(node.b, dim, lo, hi, get, where)
+        offsets[dim - (len(node.shape) - len(node.block))] = start - lo * size
+    return values.binary(a, b, node, offsets)
+
+
+def _quantize_region(
+    node: Quantize, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+) -> torch.Tensor:
+    """Quantize the whole blocks that cover the region, then keep the region."""
+    src_shape = node.src.shape
+    size = _block_dim(src_shape, node.block, dim)
+    if size is None:  # a leading dim (experts): whole blocks whatever the range
+        return values.quantize(region(node.src, dim, start, stop, get, where), node)
+    if node.part == "scales":  # output index i is source block i along this dim
+        lo, hi = start * size, min(stop * size, src_shape[dim])
+        return values.quantize(region(node.src, dim, lo, hi, get, where), node)
+    lo, hi = start // size * size, min(-(-stop // size) * size, src_shape[dim])
+    out = values.quantize(region(node.src, dim, lo, hi, get, where), node)
+    return out.narrow(dim, start - lo, stop - start)
 
 
 def _reshape_region(
@@ -99,12 +161,13 @@ def _flat(
 
 
 def tree_nodes(node: Node) -> list[Node]:
-    children: list[Node] = []
-    if isinstance(node, Concat | Stack):
-        children = list(node.srcs)
-    elif isinstance(node, Cast | Permute | Slice | Reshape):
-        children = [node.src]
-    return [node] + [n for c in children for n in tree_nodes(c)]
+    """Every node of the tree, root first."""
+    return [node] + [n for c in node.children() for n in tree_nodes(c)]
+
+
+# Bytes per element that computing a node holds besides its result: value nodes convert
+# their operands to the compute dtype and keep a product or a quantized copy (float32).
+_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16}
 
 
 def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
@@ -116,6 +179,15 @@ def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     """
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     extent = node.shape[dim] if node.shape else 1
-    total = sum(numel(n.shape) * max(DTYPES[n.dtype].itemsize, 1) for n in tree_nodes(node))
+    total = sum(
+        numel(n.shape) * (max(DTYPES[n.dtype].itemsize, 1) + _WORKING_BYTES.get(type(n), 0))
+        for n in tree_nodes(node)
+    )
     per_index = max(1, total // max(extent, 1))
-    return dim, max(1, min(extent, budget // per_index))
+    step = max(1, min(extent, budget // per_index))
+    if isinstance(node, Quantize) and node.part == "values":
+        # Whole blocks per chunk, or each chunk's edge blocks would be quantized twice.
+        size = _block_dim(node.src.shape, node.block, dim)
+        if size is not None and step < extent:
+            step = max(size, step // size * size)
+    return dim, step
