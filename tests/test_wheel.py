@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -89,12 +90,15 @@ def test_wheel_installs_and_loads_package_data(tmp_path: Path) -> None:
     )
     (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     example = REPO / "examples" / "eagle3-speculators"
+    # A PYTHONPATH pointing at a checkout's src/ would win over the installed wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run(
         [str(py), "-c", CHECK, str(example)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         timeout=120,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     assert "grammars" in r.stdout and "mappings" in r.stdout and "preset ok" in r.stdout

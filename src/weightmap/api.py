@@ -18,6 +18,8 @@ from weightmap.execute.inplace import rewrite_inplace
 from weightmap.execute.memory import iter_outputs
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, execute
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.layout import Layouts
+from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
@@ -46,6 +48,9 @@ class Result:
     """What :func:`remap` did.
 
     ``paths`` are the files written (or rewritten in place); empty for a dry run.
+    ``bytes_written`` (tensor data, headers aside) is the sum of ``bytes_cloned`` (shared with
+    the input by a copy-on-write filesystem: no data moved, no disk space taken; see
+    docs/safety.md), ``bytes_copied`` (copied by the kernel) and ``bytes_computed``.
     """
 
     plan: Plan
@@ -53,6 +58,8 @@ class Result:
     paths: tuple[Path, ...] = ()
     bytes_written: int = 0
     bytes_copied: int = 0
+    bytes_cloned: int = 0
+    bytes_computed: int = 0
     seconds: float = 0.0
     dry_run: bool = False
     inplace: bool = False
@@ -63,9 +70,15 @@ class Result:
         if self.dry_run:
             return f"dry run: {len(self.plan.outputs)} tensors planned, nothing written"
         where = "in place" if self.inplace else f"into {self.dest}"
+        how = (
+            ""
+            if self.inplace
+            else f" ({human_size(self.bytes_cloned)} cloned, {human_size(self.bytes_copied)} "
+            f"copied, {human_size(self.bytes_computed)} computed)"
+        )
         return (
             f"{len(self.plan.outputs)} tensors, {self.bytes_written:,} bytes {where} in "
-            f"{self.seconds:.2f} s" + (" (verified)" if self.verified else "")
+            f"{self.seconds:.2f} s{how}" + (" (verified)" if self.verified else "")
         )
 
 
@@ -140,6 +153,7 @@ def remap(
     progress: bool | ProgressCallback | None = None,
     workers: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    layout: Layouts = "clone",
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -156,7 +170,11 @@ def remap(
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
-      memory of computed tensors (default 64 MiB).
+      memory of computed tensors, all threads together (default 64 MiB).
+    - ``layout="clone"`` (default) lays out each output shard so that unchanged bytes keep
+      their input offsets modulo 4096, which a copy-on-write filesystem (XFS, btrfs) can share
+      instead of copying; ``layout="reference"`` writes the bytes ``safetensors.save_file``
+      writes. See docs/safety.md.
 
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
@@ -182,7 +200,16 @@ def remap(
             )
         assert out is not None
         writer, stats = _write(
-            plan, ckpt, out, progress, max_shard_size, overwrite, workers, chunk_bytes, verify
+            plan,
+            ckpt,
+            out,
+            progress,
+            max_shard_size,
+            overwrite,
+            workers,
+            chunk_bytes,
+            verify,
+            layout,
         )
     dest = Path(out)
     if verify:
@@ -191,8 +218,10 @@ def remap(
         plan=plan,
         dest=dest,
         paths=tuple(dest / s.filename for s in writer.shards),
-        bytes_written=stats.bytes_copied + stats.bytes_computed,
+        bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
+        bytes_cloned=stats.bytes_cloned,
+        bytes_computed=stats.bytes_computed,
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
@@ -209,6 +238,7 @@ def _write(
     workers: int | None,
     chunk_bytes: int,
     checksum: bool,
+    layout: Layouts,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Run the streaming executor with the progress display the caller asked for."""
     total = sum(s.nbytes for s in plan.output_specs())
@@ -224,6 +254,7 @@ def _write(
             chunk_bytes=chunk_bytes,
             checksum=checksum,
             progress=tick,
+            layout=layout,
         )
     finally:
         close()

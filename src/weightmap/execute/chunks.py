@@ -20,47 +20,58 @@ __all__ = ["chunk_plan", "region", "tree_nodes"]
 
 
 def region(
-    node: Node, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that."""
+    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that.
+
+    ``seen`` (when given) collects each input view the region reads, by input name.
+    """
     import torch
 
+    def sub(n: Node, d: int, lo: int, hi: int) -> torch.Tensor:
+        return region(n, d, lo, hi, get, where, seen)
+
     if isinstance(node, Source):
-        return get(node.name).narrow(dim, start, stop - start)
+        view = get(node.name).narrow(dim, start, stop - start)
+        if seen is not None:
+            seen.append((node.name, view))
+        return view
     if isinstance(node, Cast):
-        return cast(
-            region(node.src, dim, start, stop, get, where), node.src.dtype, node.dtype, where
-        )
+        return cast(sub(node.src, dim, start, stop), node.src.dtype, node.dtype, where)
     if isinstance(node, Permute):
-        return region(node.src, node.perm[dim], start, stop, get, where).permute(node.perm)
+        return sub(node.src, node.perm[dim], start, stop).permute(node.perm)
     if isinstance(node, Slice):
         if dim == node.dim:
-            return region(node.src, dim, node.start + start, node.start + stop, get, where)
-        part = region(node.src, dim, start, stop, get, where)
-        return part.narrow(node.dim, node.start, node.stop - node.start)
+            return sub(node.src, dim, node.start + start, node.start + stop)
+        return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         if dim != node.dim:
-            parts = [region(s, dim, start, stop, get, where) for s in node.srcs]
-            return torch.cat(parts, node.dim)
+            return torch.cat([sub(s, dim, start, stop) for s in node.srcs], node.dim)
         pieces, base = [], 0
         for s in node.srcs:
             size = s.shape[dim]
             lo, hi = max(start, base), min(stop, base + size)
             if lo < hi:
-                pieces.append(region(s, dim, lo - base, hi - base, get, where))
+                pieces.append(sub(s, dim, lo - base, hi - base))
             base += size
         return torch.cat(pieces, dim)
     if isinstance(node, Stack):
         if dim == node.dim:
             return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
         inner = dim if dim < node.dim else dim - 1
-        return torch.stack([region(s, inner, start, stop, get, where) for s in node.srcs], node.dim)
+        return torch.stack([sub(s, inner, start, stop) for s in node.srcs], node.dim)
     if isinstance(node, Reshape):
         if numel(node.shape[:dim]) == 1:
             # With only size-1 dims before it, a range along `dim` is a flat range of the
             # source too.
             per_out = numel(node.shape[dim + 1 :])
-            part = _flat(node.src, start * per_out, stop * per_out, get, where)
+            part = _flat(node.src, start * per_out, stop * per_out, get, where, seen)
             shape = list(node.shape)
             shape[dim] = stop - start
             return part.reshape(shape)
@@ -70,7 +81,12 @@ def region(
 
 
 def _flat(
-    node: Node, lo: int, hi: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    lo: int,
+    hi: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """Elements ``[lo, hi)`` of ``node`` in row-major order, as a 1-D tensor."""
     if not node.shape:
@@ -78,7 +94,7 @@ def _flat(
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     per = numel(node.shape[dim + 1 :])
     r0, r1 = lo // per, -(-hi // per)
-    part = region(node, dim, r0, r1, get, where).reshape(-1)
+    part = region(node, dim, r0, r1, get, where, seen).reshape(-1)
     return part[lo - r0 * per : hi - r0 * per]
 
 

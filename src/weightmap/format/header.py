@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -46,7 +49,7 @@ class TensorInfo:
         """Size of the tensor's data in bytes."""
         return self.end - self.begin
 
-    @property
+    @cached_property
     def spec(self) -> TensorSpec:
         """The tensor's name, dtype and shape."""
         return TensorSpec(self.name, self.dtype, self.shape)
@@ -78,11 +81,30 @@ def _fail(path: str, rule: str, message: str, tensor: str | None = None) -> Form
     return FormatError(message, path=path, tensor=tensor, rule=rule)
 
 
+# A JSON string (escapes included), and everything that is not a bracket.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
 def _check_nesting(text: str, path: str) -> None:
     """Refuse brackets nested past _MAX_DEPTH before json sees them.
 
-    The JSON decoder is recursive: a header of nested brackets would exhaust the stack.
+    The JSON decoder is recursive: a header of nested brackets would exhaust the stack. The
+    strings are cut out and the depth is the running sum over the brackets left, all at C
+    speed; a string left open (no valid header has one) takes the character walk instead.
     """
+    outside = _JSON_STRING.sub("", text)
+    if '"' in outside:
+        _walk_nesting(text, path)
+        return
+    brackets = _NOT_BRACKET.sub("", outside)
+    if max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > _MAX_DEPTH:
+        raise _fail(path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels")
+
+
+def _walk_nesting(text: str, path: str) -> None:
+    """``_check_nesting`` character by character, for text with an unterminated string."""
     depth = 0
     in_string = False
     escaped = False

@@ -37,6 +37,20 @@ MAX_JSON_FILE = 256 * 1024 * 1024
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def human_size(n: int) -> str:
+    """A byte count in decimal units, as the hub writes sizes.
+
+    >>> human_size(999), human_size(4_325_000_000)
+    ('999 B', '4.3 GB')
+    """
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
 def is_utf8(text: str) -> bool:
     """True when ``text`` can be written as UTF-8 (no lone surrogate such as ``"\\ud800"``)."""
     return _LONE_SURROGATE.search(text) is None
