@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 # The memory computed tensors may take at once, over all threads.
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = 32 * 2**20
 # Below this average size, many small kernel copies cost more than computing the tensor.
 _MIN_SEGMENT = 64 * 1024
 _FEW_SEGMENTS = 64

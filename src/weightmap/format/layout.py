@@ -230,10 +230,11 @@ class Layout:
     copies: tuple[Copy, ...]
 
 
-def aligned_middle(src: int, dst: int, length: int, block: int = CLONE_BLOCK) -> tuple[int, int]:
+def aligned_middle(src: int, dst: int, length: int) -> tuple[int, int]:
     """``(head, middle)``: of a copy from ``src`` to ``dst``, the bytes before the first block
     boundary and the whole blocks after them, which a clone can share; (length, 0) unless the
-    two offsets are congruent modulo ``block``."""
+    two offsets are congruent modulo ``CLONE_BLOCK``."""
+    block = CLONE_BLOCK
     if (src - dst) % block:
         return length, 0
     head = min(length, -src % block)

@@ -39,7 +39,6 @@ from weightmap.format.atomic import (
 )
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import (
-    CLONE_BLOCK,
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -59,6 +58,8 @@ COPY_PIECE = 8 * 2**20
 _CLONE_PIECE = 2**30
 # linux/fs.h: _IOW(0x94, 13, struct file_clone_range)
 _FICLONERANGE = 0x4020940D
+# What the probe clones: one block of the common size (a clone must cover whole blocks).
+_PROBE_BYTES = 4096
 # Errors of a clone that mean "not here" (not "something broke"): fall back to a copy.
 _NO_CLONE = frozenset(
     {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
@@ -195,7 +196,7 @@ class CheckpointWriter:
         for number, fd in self._src.items():
             st = os.fstat(fd)
             if st.st_dev not in by_device:
-                by_device[st.st_dev] = st.st_size >= CLONE_BLOCK and self._probe(fd)
+                by_device[st.st_dev] = st.st_size >= _PROBE_BYTES and self._probe(fd)
             self._clones[number] = by_device[st.st_dev]
 
     def _probe(self, src_fd: int) -> bool:
@@ -203,7 +204,7 @@ class CheckpointWriter:
         probe = self.tmp / ".clone-probe"
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            return _clone(src_fd, 0, fd, 0, CLONE_BLOCK)
+            return _clone(src_fd, 0, fd, 0, _PROBE_BYTES)
         finally:
             os.close(fd)
             probe.unlink()
