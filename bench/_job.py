@@ -174,8 +174,10 @@ def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
     def op() -> dict[str, Any]:
         result = weightmap.remap(args.src, args.dst, progress=False, **source)
         return {
+            "module": weightmap.__file__,
             "bytes_written": result.bytes_written,
             "bytes_copied": result.bytes_copied,
+            "bytes_cloned": getattr(result, "bytes_cloned", 0),
             "fsync": timer.seconds,
             "parser": parser.seconds,
             "torch_imported": "torch" in sys.modules,

@@ -120,9 +120,3 @@ def folder_shared(folder: Path) -> tuple[int, int]:
     """``(bytes in shared extents, bytes)`` over the ``*.safetensors`` files of a folder."""
     files = sorted(folder.glob("*.safetensors"))
     return sum(shared_bytes(p) for p in files), sum(p.stat().st_size for p in files)
-
-
-def used_bytes(folder: Path) -> int:
-    """Disk space the filesystem reports in use (``df``): what a copy adds and a clone does not."""
-    st = os.statvfs(folder)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize

@@ -231,7 +231,17 @@ def execute(
             numbers[name] = i
     copied: dict[str, list[Segment]] = {}
     origins: dict[str, Origin] = {}
+    specs = plan.output_specs()
+    sizes = {s.name: s.nbytes for s in specs}
     for out in plan.outputs:
+        node = out.node
+        if isinstance(node, Source):  # a rename or keep: the common case, made short
+            _, begin, end = where[node.name]
+            copied[out.name] = [Segment(node.name, 0, end - begin)]
+            origins[out.name] = Origin(
+                (numbers[node.name], begin), (Extent(numbers[node.name], begin, end - begin),)
+            )
+            continue
         segments = _copied(out)
         if segments is not None:
             copied[out.name] = segments
@@ -246,7 +256,7 @@ def execute(
             origins[out.name] = Origin((numbers[first], where[first][1]))
     writer = CheckpointWriter(
         dest,
-        plan.output_specs(),
+        specs,
         max_shard_size=max_shard_size,
         metadata={"format": "pt"} if metadata is None else metadata,
         config=plan.config,
@@ -273,9 +283,9 @@ def execute(
             # Computed tensors first, biggest first, so one large tensor does not finish last;
             # small ones in batches. The copies follow in output order.
             computed = sorted(
-                (o for o in plan.outputs if o.name not in copied), key=lambda o: -o.spec.nbytes
+                (o for o in plan.outputs if o.name not in copied), key=lambda o: -sizes[o.name]
             )
-            for batch in _batches(computed, lambda o: o.spec.nbytes, COPY_PIECE):
+            for batch in _batches(computed, lambda o: sizes[o.name], COPY_PIECE):
                 tasks.append(partial(_compute, computer, batch))
             for pieces in _batches(
                 writer.pieces(), lambda p: _CLONE_WEIGHT if p.clone else p.length, COPY_PIECE

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from weightmap.format.dtypes import DTYPES, TensorSpec
 
@@ -188,8 +188,7 @@ LAYOUTS = ("clone", "reference")
 Layouts = Literal["clone", "reference"]
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """``length`` bytes at absolute offset ``offset`` of input file number ``file``."""
 
     file: int
@@ -197,8 +196,7 @@ class Extent:
     length: int
 
 
-@dataclass(frozen=True)
-class Origin:
+class Origin(NamedTuple):
     """Where an output tensor's bytes come from.
 
     ``anchor`` is the (input file number, absolute offset) of the first input byte the tensor
@@ -210,8 +208,7 @@ class Origin:
     extents: tuple[Extent, ...] | None = None
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """One copy of input bytes into the output, adjacent ranges coalesced: ``length`` bytes of
     input file ``file`` at ``src`` to offset ``dst`` of output shard ``shard``."""
 
@@ -274,17 +271,18 @@ def plan_layout(
     for index, (name, group) in enumerate(zip(_shard_names(len(groups)), groups, strict=True)):
         placed = _clone_shard(group, sizes, origins, metadata) if layout == "clone" else None
         if placed is None:
-            text, rel = _header_text(_layout_order(group), sizes, metadata)
+            order = _layout_order(group)
+            text, rel = _header_text(order, sizes, metadata)
             text += b" " * (-len(text) % 8)
+            runs = _runs(order, sizes, origins)
         else:
-            text, rel = placed
+            text, rel, runs = placed
         header = len(text).to_bytes(8, "little") + text
         base = len(header)
         offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
         size = base + sum(sizes[s.name] for s in group)
         shards.append(ShardPlan(name, header, offsets, size))
-        pieces = [p for name, (b, _) in offsets.items() for p in _pieces(b, origins.get(name))]
-        copies += _coalesce(pieces, index)
+        copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
     return Layout(tuple(shards), tuple(copies))
 
 
@@ -320,9 +318,10 @@ def _clone_shard(
     sizes: Mapping[str, int],
     origins: Mapping[str, Origin],
     metadata: Mapping[str, str] | None,
-) -> tuple[bytes, dict[str, tuple[int, int]]] | None:
-    """The padded header and relative offsets of one shard in the clone layout, or None where
-    no whole block could be shared (the shard is then laid out as the reference writer does).
+) -> tuple[bytes, dict[str, tuple[int, int]], list[Copy]] | None:
+    """The padded header, relative offsets and copies (offsets relative to the data buffer)
+    of one shard in the clone layout, or None where no whole block could be shared (the
+    shard is then laid out as the reference writer does).
 
     The copied tensors go back to back in input order, the computed ones before or after them
     in reference order (whichever keeps every tensor at its natural alignment and shares more).
@@ -334,34 +333,57 @@ def _clone_shard(
         return None
     copied_names = {s.name for s in copied}
     computed = _layout_order([s for s in group if s.name not in copied_names])
-    best: tuple[int, int, list[TensorSpec]] | None = None  # (gain, residue, order)
+    best: tuple[int, int, list[TensorSpec], list[Copy]] | None = None
     for order in (copied + computed, computed + copied) if computed else (copied,):
-        gain, residue = _best_residue(order, sizes, origins)
+        if not _aligned(order, sizes):
+            continue
+        runs = _runs(order, sizes, origins)
+        gain, residue = _best_residue(runs)
         if gain >= CLONE_BLOCK and (best is None or gain > best[0]):
-            best = (gain, residue, order)
+            best = (gain, residue, order, runs)
     if best is None:
         return None
-    _, residue, order = best
+    _, residue, order, runs = best
     text, rel = _header_text(order, sizes, metadata)
     # The data starts at 8 + len(header) = residue modulo the block: pad the header with spaces.
     text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
-    return text, rel
+    return text, rel, runs
 
 
-def _best_residue(
-    order: Sequence[TensorSpec], sizes: Mapping[str, int], origins: Mapping[str, Origin]
-) -> tuple[int, int]:
-    """``(bytes shareable, data start modulo the block)`` for tensors stored in ``order``;
-    (0, 0) where a tensor would lose its natural alignment."""
-    pieces: list[tuple[int, Extent]] = []
+def _aligned(order: Sequence[TensorSpec], sizes: Mapping[str, int]) -> bool:
+    """Whether tensors stored back to back in ``order`` from a multiple of 8 each start at a
+    multiple of their natural alignment, as in the reference layout."""
     position = 0
     for spec in order:
         if position % _alignment(spec.dtype):
-            return 0, 0
-        pieces += _pieces(position, origins.get(spec.name))
+            return False
         position += sizes[spec.name]
+    return True
+
+
+def _runs(
+    order: Sequence[TensorSpec], sizes: Mapping[str, int], origins: Mapping[str, Origin]
+) -> list[Copy]:
+    """The copies of tensors stored back to back in ``order``, offsets relative to the data
+    buffer."""
+    pieces: list[tuple[int, Extent]] = []
+    position = 0
+    for spec in order:
+        origin = origins.get(spec.name)
+        if origin is not None and origin.extents:
+            at = position
+            for ext in origin.extents:
+                pieces.append((at, ext))
+                at += ext.length
+        position += sizes[spec.name]
+    return _coalesce(pieces, 0)
+
+
+def _best_residue(runs: Sequence[Copy]) -> tuple[int, int]:
+    """``(bytes shareable, data start modulo the block)`` for copies at these offsets of the
+    data buffer: the start that puts the most whole blocks at congruent offsets."""
     gains: dict[int, int] = {}
-    for run in _coalesce(pieces, 0):
+    for run in runs:
         residue = (run.src - run.dst) % CLONE_BLOCK
         gains[residue] = gains.get(residue, 0) + aligned_middle(run.src, run.src, run.length)[1]
     # The data buffer starts at a multiple of 8, as the reference writer's does.
@@ -370,16 +392,6 @@ def _best_residue(
         return 0, 0
     gain, neg = max(usable)
     return gain, -neg
-
-
-def _pieces(begin: int, origin: Origin | None) -> list[tuple[int, Extent]]:
-    """``(output offset, input extent)`` of each range of a copied tensor stored at ``begin``."""
-    out = []
-    if origin is not None and origin.extents:
-        for ext in origin.extents:
-            out.append((begin, ext))
-            begin += ext.length
-    return out
 
 
 def _coalesce(pieces: Iterable[tuple[int, Extent]], shard: int) -> list[Copy]:

@@ -22,6 +22,7 @@ import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -351,8 +352,8 @@ class CheckpointWriter:
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
             self._close_inputs()
+            _fsync_all(self._fds)
             for fd in self._fds:
-                os.fsync(fd)
                 os.close(fd)
             self._fds.clear()
             if len(self.shards) > 1:
@@ -407,6 +408,17 @@ class CheckpointWriter:
                 ) from None
             raise
         fsync_dir(dest.parent)
+
+
+def _fsync_all(fds: Sequence[int]) -> None:
+    """fsync every shard, several at once: the filesystem's journal then commits them together
+    instead of once per file (48 shards took 48 journal commits one after the other)."""
+    if len(fds) <= 1:
+        for fd in fds:
+            os.fsync(fd)
+        return
+    with ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool:
+        list(pool.map(os.fsync, fds))
 
 
 def _cut(c: Copy, begin: int, length: int, clone: bool) -> list[Piece]:
