@@ -116,7 +116,14 @@ def shared_bytes(path: Path) -> int:
     return total
 
 
-def folder_shared(folder: Path) -> tuple[int, int]:
-    """``(bytes in shared extents, bytes)`` over the ``*.safetensors`` files of a folder."""
+def folder_shared(folder: Path, block: int = 4096) -> tuple[int, int, int]:
+    """``(bytes in shared extents, bytes, header blocks)`` over the ``*.safetensors`` files of
+    a folder; header blocks are the bytes of the blocks that hold a header (which differs from
+    the input's, so cannot be shared), up to the block where the data starts."""
     files = sorted(folder.glob("*.safetensors"))
-    return sum(shared_bytes(p) for p in files), sum(p.stat().st_size for p in files)
+    headers = 0
+    for path in files:
+        with path.open("rb") as f:
+            start = 8 + struct.unpack("<Q", f.read(8))[0]
+        headers += -(-start // block) * block
+    return sum(shared_bytes(p) for p in files), sum(p.stat().st_size for p in files), headers

@@ -57,8 +57,8 @@ def moe_tensors() -> int:
 
 
 def _probe(out: Path) -> dict[str, Any]:
-    shared, size = cowfs.folder_shared(out)
-    return {"shared": shared, "size": size}
+    shared, size, headers = cowfs.folder_shared(out)
+    return {"shared": shared, "size": size, "headers": headers}
 
 
 def _tools(runner: Runner, src: Path, args: list[str]) -> dict[str, Callable[[], list[str]]]:

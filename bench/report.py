@@ -58,7 +58,7 @@ def render(
         *inplace_section(sizes),
         *cast_section(sizes),
         *ops_section(ops),
-        *many_section(many),
+        *many_section(many, cow),
         *cow_section(cow),
         *_growth_section(sizes),
         *_floors_section(sizes, many, cow),
