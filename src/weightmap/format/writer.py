@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii  # what json.dumps uses by default
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,8 @@ class CheckpointWriter:
         self._fds: list[int] = []
         self._src: dict[int, int] = {}  # input file number -> read-only fd
         self._clones: dict[int, bool] = {}  # input file number -> may clone into the output
+        self._src_size: dict[int, int] = {}
+        self._pieces: list[Piece] = []
         self._files: dict[str, bytes] = {}
         self.tmp: Path | None = None
         self.committed = False
@@ -180,6 +183,7 @@ class CheckpointWriter:
             for number in sorted({c.file for c in self.copies}):
                 self._src[number] = os.open(self._inputs[number], os.O_RDONLY)
             self._probe_clones()
+            self._pieces = self._cut_copies()
             self._reserve()
         except OSError as exc:
             self.abort()
@@ -192,13 +196,14 @@ class CheckpointWriter:
         means every aligned clone from that filesystem will share extents; any refusal means
         none will, and those bytes are copied.
         """
-        assert self.tmp is not None
+        stats = {number: os.fstat(fd) for number, fd in self._src.items()}
         by_device: dict[int, bool] = {}
-        for number, fd in self._src.items():
-            st = os.fstat(fd)
+        for number, st in sorted(stats.items(), key=lambda kv: -kv[1].st_size):
             if st.st_dev not in by_device:
-                by_device[st.st_dev] = st.st_size >= _PROBE_BYTES and self._probe(fd)
+                # The largest input of each filesystem: one with a whole block, if any has.
+                by_device[st.st_dev] = st.st_size >= _PROBE_BYTES and self._probe(self._src[number])
             self._clones[number] = by_device[st.st_dev]
+            self._src_size[number] = st.st_size
 
     def _probe(self, src_fd: int) -> bool:
         assert self.tmp is not None
@@ -214,7 +219,7 @@ class CheckpointWriter:
         """Reserve the space of every byte that will not be cloned, so that a full disk fails
         here, before minutes of copying (cloned blocks are the input's and need none)."""
         shared: list[list[tuple[int, int]]] = [[] for _ in self.shards]
-        for piece in self.pieces():
+        for piece in self._pieces:
             if piece.clone:
                 shared[piece.shard].append((piece.dst, piece.dst + piece.length))
         for fd, shard, skip in zip(self._fds, self.shards, shared, strict=True):
@@ -278,12 +283,16 @@ class CheckpointWriter:
         _copy(src_fd, src_offset, fd, position, length, name)
         self._done(self._where[name][0], length)
 
-    def pieces(self, copy: Copy | None = None) -> list[Piece]:
-        """The planned copies (or one of them) cut into pieces: whole blocks at congruent
-        offsets are cloned where the input's filesystem can share them, in pieces of up to
-        1 GiB; everything else is copied in pieces of up to 8 MiB cut at block boundaries."""
+    def pieces(self) -> list[Piece]:
+        """The planned copies cut into pieces (once the writer is open): whole blocks at
+        congruent offsets are cloned where the input's filesystem can share them, in pieces of
+        up to 1 GiB; everything else is copied in pieces of up to 8 MiB cut at block
+        boundaries."""
+        return list(self._pieces)
+
+    def _cut_copies(self) -> list[Piece]:
         out: list[Piece] = []
-        for c in self.copies if copy is None else (copy,):
+        for c in self.copies:
             head, middle = aligned_middle(c.src, c.dst, c.length)
             if not self._clones.get(c.file) or not middle:
                 out += _cut(c, 0, c.length, False)
@@ -296,8 +305,8 @@ class CheckpointWriter:
         return out
 
     def _at_both_ends(self, c: Copy) -> bool:
-        src_size = os.fstat(self._src[c.file]).st_size
-        return c.src + c.length == src_size and c.dst + c.length == self.shards[c.shard].size
+        end = c.src + c.length
+        return end == self._src_size[c.file] and c.dst + c.length == self.shards[c.shard].size
 
     def transfer(self, piece: Piece) -> bool:
         """Move one piece into the output; True if it was cloned (its extents now shared).
@@ -360,9 +369,7 @@ class CheckpointWriter:
                 weight_map = {
                     name: shard.filename for shard in self.shards for name in shard.offsets
                 }
-                index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-                data = json.dumps(index, indent=2, sort_keys=True) + "\n"
-                self._write_small(INDEX_NAME, data.encode())
+                self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
             if self.config is not None:
                 text = json.dumps(self.config, indent=2, ensure_ascii=False) + "\n"
                 self._write_small(CONFIG_NAME, text.encode("utf-8"))
@@ -408,6 +415,18 @@ class CheckpointWriter:
                 ) from None
             raise
         fsync_dir(dest.parent)
+
+
+def _index_text(total_size: int, weight_map: Mapping[str, str]) -> str:
+    """``json.dumps(index, indent=2, sort_keys=True)`` plus a newline, written line by line:
+    json's indenting encoder is pure Python, and an index may list 100,000 tensors."""
+    entries = ",\n".join(
+        f"    {encode_basestring_ascii(name)}: {encode_basestring_ascii(weight_map[name])}"
+        for name in sorted(weight_map)
+    )
+    body = f"{{\n{entries}\n  }}" if weight_map else "{}"
+    head = f'{{\n  "metadata": {{\n    "total_size": {total_size}\n  }},\n'
+    return f'{head}  "weight_map": {body}\n}}\n'
 
 
 def _fsync_all(fds: Sequence[int]) -> None:
