@@ -71,7 +71,8 @@ def _time_text(sizes: list[SizeResult]) -> str:
             f"past the kernel's dirty threshold (vm.dirty_background_ratio {background}% of "
             "memory, about 2.3 GB of dirty pages here, where the dirty count was seen to "
             "level off during a 4.3 GB cp) the kernel writes back while they write and holds "
-            "them to the disk's pace. weightmap hands each 64 MiB to the disk as soon as it is "
+            "them to the disk's pace. weightmap hands what it writes to the disk piece by "
+            "piece (copies in 8 MiB pieces, computed tensors chunk by chunk) as soon as it is "
             "written, so it never builds that backlog."
             if throttled
             else ""
