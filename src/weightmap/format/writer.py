@@ -11,18 +11,14 @@ sibling folder that is moved into place only after every byte is written and fsy
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import json
 import os
 import secrets
 import shutil
-import struct
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii  # what json.dumps uses by default
 from pathlib import Path
@@ -50,26 +46,23 @@ from weightmap.format.layout import (
     aligned_middle,
     plan_layout,
 )
+from weightmap.format.transfer import (
+    clone,
+    copy,
+    fallocate,
+    fsync_all,
+    pwrite_all,
+    start_writeback,
+)
 
 __all__ = ["CheckpointWriter", "Piece"]
 
-_COPY_CHUNK = 64 * 1024 * 1024
 # Copies go in pieces of this size: threads share the work, and each piece is handed to the
 # disk as soon as it is written. Clones move no data and go in pieces of up to _CLONE_PIECE.
 COPY_PIECE = 8 * 2**20
 _CLONE_PIECE = 2**30
-# linux/fs.h: _IOW(0x94, 13, struct file_clone_range)
-_FICLONERANGE = 0x4020940D
 # What the probe clones: one block of the common size (a clone must cover whole blocks).
 _PROBE_BYTES = 4096
-# Errors of a clone that mean "not here" (not "something broke"): fall back to a copy.
-_NO_CLONE = frozenset(
-    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
-)
-_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
-# Writes at least this large are handed to the disk at once (see _start_writeback).
-_WRITEBACK_MIN = 64 * 1024
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 @dataclass(frozen=True)
@@ -178,7 +171,7 @@ class CheckpointWriter:
             for shard in self.shards:
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
-                self._pwrite_all(fd, shard.header, 0)
+                pwrite_all(fd, shard.header, 0)
                 os.ftruncate(fd, shard.size)
             for number in sorted({c.file for c in self.copies}):
                 self._src[number] = os.open(self._inputs[number], os.O_RDONLY)
@@ -210,7 +203,7 @@ class CheckpointWriter:
         probe = self.tmp / ".clone-probe"
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            return _clone(src_fd, 0, fd, 0, _PROBE_BYTES)
+            return clone(src_fd, 0, fd, 0, _PROBE_BYTES)
         finally:
             os.close(fd)
             probe.unlink()
@@ -225,7 +218,7 @@ class CheckpointWriter:
         for fd, shard, skip in zip(self._fds, self.shards, shared, strict=True):
             position = 0
             for begin, end in [*sorted(skip), (shard.size, shard.size)]:
-                if begin > position and not _fallocate(fd, position, begin - position):
+                if begin > position and not fallocate(fd, position, begin - position):
                     break  # the filesystem cannot reserve space; the writes will allocate it
                 position = max(position, end)
 
@@ -259,20 +252,12 @@ class CheckpointWriter:
         with self._lock:
             self._written[shard] += length
 
-    @staticmethod
-    def _pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(fd, view, position)
-            view = view[n:]
-            position += n
-
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it."""
         length = memoryview(data).nbytes
         fd, position = self._check(name, offset, length)
-        self._pwrite_all(fd, data, position)
-        _start_writeback(fd, position, length)
+        pwrite_all(fd, data, position)
+        start_writeback(fd, position, length)
         self._done(self._where[name][0], length)
 
     def copy_range(
@@ -280,7 +265,7 @@ class CheckpointWriter:
     ) -> None:
         """Copy ``length`` bytes of another file into tensor ``name``, in the kernel if possible."""
         fd, position = self._check(name, offset, length)
-        _copy(src_fd, src_offset, fd, position, length, name)
+        copy(src_fd, src_offset, fd, position, length, name)
         self._done(self._where[name][0], length)
 
     def pieces(self) -> list[Piece]:
@@ -314,10 +299,10 @@ class CheckpointWriter:
         A clone the filesystem refuses after all falls back to a copy.
         """
         src_fd, fd = self._src[piece.file], self._fds[piece.shard]
-        cloned = piece.clone and _clone(src_fd, piece.src, fd, piece.dst, piece.length)
+        cloned = piece.clone and clone(src_fd, piece.src, fd, piece.dst, piece.length)
         if not cloned:
-            _copy(src_fd, piece.src, fd, piece.dst, piece.length, self.shards[piece.shard].filename)
-            _start_writeback(fd, piece.dst, piece.length)
+            copy(src_fd, piece.src, fd, piece.dst, piece.length, self.shards[piece.shard].filename)
+            start_writeback(fd, piece.dst, piece.length)
         self._done(piece.shard, piece.length)
         return cloned
 
@@ -343,7 +328,7 @@ class CheckpointWriter:
         assert self.tmp is not None
         fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            self._pwrite_all(fd, data, 0)
+            pwrite_all(fd, data, 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -361,7 +346,7 @@ class CheckpointWriter:
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
             self._close_inputs()
-            _fsync_all(self._fds)
+            fsync_all(self._fds)
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
@@ -429,17 +414,6 @@ def _index_text(total_size: int, weight_map: Mapping[str, str]) -> str:
     return f'{head}  "weight_map": {body}\n}}\n'
 
 
-def _fsync_all(fds: Sequence[int]) -> None:
-    """fsync every shard, several at once: the filesystem's journal then commits them together
-    instead of once per file (48 shards took 48 journal commits one after the other)."""
-    if len(fds) <= 1:
-        for fd in fds:
-            os.fsync(fd)
-        return
-    with ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool:
-        list(pool.map(os.fsync, fds))
-
-
 def _cut(c: Copy, begin: int, length: int, clone: bool) -> list[Piece]:
     """``[begin, begin + length)`` of a copy as pieces ending on piece-size boundaries of the
     output (block boundaries, so the input side stays congruent)."""
@@ -453,84 +427,3 @@ def _cut(c: Copy, begin: int, length: int, clone: bool) -> list[Piece]:
         )
         position = stop
     return out
-
-
-def _clone(src_fd: int, src: int, fd: int, dst: int, length: int) -> bool:
-    """FICLONERANGE: share ``length`` bytes of ``src_fd`` at ``src`` into ``fd`` at ``dst``.
-
-    The filesystem either shares the extents or refuses; it never copies. False where it
-    refuses (no reflink support, another filesystem, offsets it cannot share).
-    """
-    arg = struct.pack("qQQQ", src_fd, src, length, dst)
-    try:
-        fcntl.ioctl(fd, _FICLONERANGE, arg)
-    except OSError as exc:
-        if exc.errno in _NO_CLONE:
-            return False
-        raise
-    return True
-
-
-def _copy(src_fd: int, src: int, fd: int, dst: int, length: int, what: str) -> None:
-    """Copy ``length`` bytes between files, in the kernel where possible."""
-    remaining = length
-    use_kernel = hasattr(os, "copy_file_range")
-    while remaining:
-        n = 0
-        if use_kernel:
-            try:
-                n = os.copy_file_range(src_fd, fd, remaining, src, dst)
-            except OSError as exc:
-                if exc.errno not in _NO_KERNEL_COPY:
-                    raise
-                use_kernel = False
-        if not use_kernel:
-            # Bounded chunks through user space, where the kernel copy is unavailable.
-            chunk = os.pread(src_fd, min(remaining, _COPY_CHUNK), src)
-            CheckpointWriter._pwrite_all(fd, chunk, dst)
-            n = len(chunk)
-        if n == 0:
-            raise ExecutionError(
-                f"source ended early while copying into {what}: the input changed or is truncated"
-            )
-        remaining -= n
-        src += n
-        dst += n
-
-
-def _fallocate(fd: int, offset: int, length: int) -> bool:
-    """Reserve disk space; False where the filesystem cannot (the file is then sparse)."""
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        return False
-    return True
-
-
-_sync_range: Callable[[int, int, int, int], int] | None = None
-_sync_range_missing = False
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing these bytes to disk now, without waiting.
-
-    The commit fsyncs every shard; started early, the disk writes overlap the rest of the
-    conversion instead of all waiting for that fsync. Only a hint (Linux
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so any failure just turns it off.
-    """
-    global _sync_range, _sync_range_missing
-    if _sync_range_missing or length < _WRITEBACK_MIN:
-        return
-    if _sync_range is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        except (AttributeError, OSError):
-            _sync_range_missing = True
-            return
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _sync_range = fn
-    if _sync_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
-        _sync_range_missing = True
