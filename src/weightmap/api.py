@@ -19,6 +19,8 @@ from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.layout import Layouts
+from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
@@ -47,6 +49,9 @@ class Result:
     """What :func:`remap` did.
 
     ``paths`` are the files written (or rewritten in place); empty for a dry run.
+    ``bytes_written`` (tensor data, headers aside) is the sum of ``bytes_cloned`` (shared with
+    the input by a copy-on-write filesystem: no data moved, no disk space taken; see
+    docs/safety.md), ``bytes_copied`` (copied by the kernel) and ``bytes_computed``.
     """
 
     plan: Plan
@@ -54,6 +59,8 @@ class Result:
     paths: tuple[Path, ...] = ()
     bytes_written: int = 0
     bytes_copied: int = 0
+    bytes_cloned: int = 0
+    bytes_computed: int = 0
     seconds: float = 0.0
     dry_run: bool = False
     inplace: bool = False
@@ -64,9 +71,15 @@ class Result:
         if self.dry_run:
             return f"dry run: {len(self.plan.outputs)} tensors planned, nothing written"
         where = "in place" if self.inplace else f"into {self.dest}"
+        how = (
+            ""
+            if self.inplace
+            else f" ({human_size(self.bytes_cloned)} cloned, {human_size(self.bytes_copied)} "
+            f"copied, {human_size(self.bytes_computed)} computed)"
+        )
         return (
             f"{len(self.plan.outputs)} tensors, {self.bytes_written:,} bytes {where} in "
-            f"{self.seconds:.2f} s" + (" (verified)" if self.verified else "")
+            f"{self.seconds:.2f} s{how}" + (" (verified)" if self.verified else "")
         )
 
 
@@ -141,6 +154,7 @@ def remap(
     progress: bool | ProgressCallback | None = None,
     workers: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    layout: Layouts = "clone",
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -158,7 +172,11 @@ def remap(
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
-      memory of computed tensors (default 64 MiB).
+      memory of computed tensors, all threads together (default 64 MiB).
+    - ``layout="clone"`` (default) lays out each output shard so that unchanged bytes keep
+      their input offsets modulo 4096, which a copy-on-write filesystem (XFS, btrfs) can share
+      instead of copying; ``layout="reference"`` writes the bytes ``safetensors.save_file``
+      writes. See docs/safety.md.
 
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
@@ -184,15 +202,26 @@ def remap(
             )
         assert out is not None
         writer, stats = _write(
-            plan, ckpt, out, progress, max_shard_size, overwrite, workers, chunk_bytes, verify
+            plan,
+            ckpt,
+            out,
+            progress,
+            max_shard_size,
+            overwrite,
+            workers,
+            chunk_bytes,
+            verify,
+            layout,
         )
     dest = Path(out)
     return Result(
         plan=plan,
         dest=dest,
         paths=tuple(dest / s.filename for s in writer.shards),
-        bytes_written=stats.bytes_copied + stats.bytes_computed,
+        bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
+        bytes_cloned=stats.bytes_cloned,
+        bytes_computed=stats.bytes_computed,
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
@@ -209,6 +238,7 @@ def _write(
     workers: int | None,
     chunk_bytes: int,
     checksum: bool,
+    layout: Layouts,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Run the streaming executor with the progress display the caller asked for."""
     total = sum(s.nbytes for s in plan.output_specs())
@@ -237,6 +267,7 @@ def _write(
             progress=tick,
             metadata={"format": "pt", **ckpt.metadata},
             before_commit=check if checksum else None,
+            layout=layout,
         )
     finally:
         close()

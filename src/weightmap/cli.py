@@ -23,8 +23,9 @@ from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.diff import diff_checkpoints
-from weightmap.format.layout import JOURNAL_NAME
+from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, strict_json
+from weightmap.format.text import human_size as _human
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
 from weightmap.plan.plan import Plan
@@ -34,15 +35,6 @@ __all__ = ["main"]
 
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2)."""
-
-
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def _params(items: Sequence[str] | None) -> dict[str, Any]:
@@ -120,6 +112,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=progress,
         workers=args.workers,
+        layout=args.layout,
     )
     _warn(result.plan)
     if not quiet:
@@ -313,6 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read and check the output")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--workers", type=int, default=None, help="writer threads")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="clone",
+        help="clone (default): unchanged bytes keep their input offsets modulo 4096, so a "
+        "copy-on-write filesystem can share them; reference: the bytes safetensors.save_file "
+        "writes",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.set_defaults(func=_cmd_convert)

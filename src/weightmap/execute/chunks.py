@@ -34,49 +34,60 @@ __all__ = ["chunk_plan", "region", "tree_nodes"]
 
 
 def region(
-    node: Node, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that."""
+    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that.
+
+    ``seen`` (when given) collects each input view the region reads, by input name.
+    """
     import torch
 
+    def sub(n: Node, d: int, lo: int, hi: int) -> torch.Tensor:
+        return region(n, d, lo, hi, get, where, seen)
+
     if isinstance(node, Source):
-        return get(node.name).narrow(dim, start, stop - start)
+        view = get(node.name).narrow(dim, start, stop - start)
+        if seen is not None:
+            seen.append((node.name, view))
+        return view
     if isinstance(node, Cast):
-        return cast(
-            region(node.src, dim, start, stop, get, where), node.src.dtype, node.dtype, where
-        )
+        return cast(sub(node.src, dim, start, stop), node.src.dtype, node.dtype, where)
     if isinstance(node, Permute):
-        return region(node.src, node.perm[dim], start, stop, get, where).permute(node.perm)
+        return sub(node.src, node.perm[dim], start, stop).permute(node.perm)
     if isinstance(node, Slice):
         if dim == node.dim:
-            return region(node.src, dim, node.start + start, node.start + stop, get, where)
-        part = region(node.src, dim, start, stop, get, where)
-        return part.narrow(node.dim, node.start, node.stop - node.start)
+            return sub(node.src, dim, node.start + start, node.start + stop)
+        return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         if dim != node.dim:
-            parts = [region(s, dim, start, stop, get, where) for s in node.srcs]
-            return torch.cat(parts, node.dim)
+            return torch.cat([sub(s, dim, start, stop) for s in node.srcs], node.dim)
         pieces, base = [], 0
         for s in node.srcs:
             size = s.shape[dim]
             lo, hi = max(start, base), min(stop, base + size)
             if lo < hi:
-                pieces.append(region(s, dim, lo - base, hi - base, get, where))
+                pieces.append(sub(s, dim, lo - base, hi - base))
             base += size
         return torch.cat(pieces, dim)
     if isinstance(node, Stack):
         if dim == node.dim:
             return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
         inner = dim if dim < node.dim else dim - 1
-        return torch.stack([region(s, inner, start, stop, get, where) for s in node.srcs], node.dim)
+        return torch.stack([sub(s, inner, start, stop) for s in node.srcs], node.dim)
     if isinstance(node, Reshape):
-        return _reshape_region(node, dim, start, stop, get, where)
+        return _reshape_region(node, dim, start, stop, get, where, seen)
     if isinstance(node, Arith):
-        return values.arith(region(node.src, dim, start, stop, get, where), node)
+        return values.arith(sub(node.src, dim, start, stop), node)
     if isinstance(node, Binary):
-        return _binary_region(node, dim, start, stop, get, where)
+        return _binary_region(node, dim, start, stop, get, where, seen)
     if isinstance(node, Quantize):
-        return _quantize_region(node, dim, start, stop, get, where)
+        return _quantize_region(node, dim, start, stop, get, where, seen)
     if isinstance(node, Mask):
         # Positions can land anywhere in the output: the (small) source is read whole.
         out = values.mask(evaluate(node.src, get, where), node, where)
@@ -91,39 +102,57 @@ def _block_dim(shape: tuple[int, ...], block: tuple[int, ...], dim: int) -> int 
 
 
 def _binary_region(
-    node: Binary, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Binary,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """``a`` over the region, ``b`` over the blocks that cover it (a chunk may cut a block)."""
-    a = region(node.a, dim, start, stop, get, where)
+    a = region(node.a, dim, start, stop, get, where, seen)
     size = _block_dim(node.shape, node.block, dim)
     offsets = [0] * len(node.block)
     if size is None:
-        b = region(node.b, dim, start, stop, get, where)
+        b = region(node.b, dim, start, stop, get, where, seen)
     else:
         lo, hi = start // size, (stop - 1) // size + 1
-        b = region(node.b, dim, lo, hi, get, where)
+        b = region(node.b, dim, lo, hi, get, where, seen)
         offsets[dim - (len(node.shape) - len(node.block))] = start - lo * size
     return values.binary(a, b, node, offsets)
 
 
 def _quantize_region(
-    node: Quantize, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Quantize,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """Quantize the whole blocks that cover the region, then keep the region."""
     src_shape = node.src.shape
     size = _block_dim(src_shape, node.block, dim)
     if size is None:  # a leading dim (experts): whole blocks whatever the range
-        return values.quantize(region(node.src, dim, start, stop, get, where), node)
+        return values.quantize(region(node.src, dim, start, stop, get, where, seen), node)
     if node.part == "scales":  # output index i is source block i along this dim
         lo, hi = start * size, min(stop * size, src_shape[dim])
-        return values.quantize(region(node.src, dim, lo, hi, get, where), node)
+        return values.quantize(region(node.src, dim, lo, hi, get, where, seen), node)
     lo, hi = start // size * size, min(-(-stop // size) * size, src_shape[dim])
-    out = values.quantize(region(node.src, dim, lo, hi, get, where), node)
+    out = values.quantize(region(node.src, dim, lo, hi, get, where, seen), node)
     return out.narrow(dim, start - lo, stop - start)
 
 
 def _reshape_region(
-    node: Reshape, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Reshape,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """A reshape's region along ``dim``: one flat range of its source per outer index.
 
@@ -139,16 +168,21 @@ def _reshape_region(
     shape = list(node.shape)
     shape[dim] = stop - start
     if outer == 1:
-        return _flat(node.src, start * inner, stop * inner, get, where).reshape(shape)
+        return _flat(node.src, start * inner, stop * inner, get, where, seen).reshape(shape)
     pieces = [
-        _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where)
+        _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where, seen)
         for o in range(outer)
     ]
     return torch.cat(pieces).reshape(shape)
 
 
 def _flat(
-    node: Node, lo: int, hi: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    lo: int,
+    hi: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """Elements ``[lo, hi)`` of ``node`` in row-major order, as a 1-D tensor."""
     if not node.shape:
@@ -156,7 +190,7 @@ def _flat(
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     per = numel(node.shape[dim + 1 :])
     r0, r1 = lo // per, -(-hi // per)
-    part = region(node, dim, r0, r1, get, where).reshape(-1)
+    part = region(node, dim, r0, r1, get, where, seen).reshape(-1)
     return part[lo - r0 * per : hi - r0 * per]
 
 
