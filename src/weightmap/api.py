@@ -17,8 +17,10 @@ from weightmap.errors import ExecutionError, WeightmapError
 from weightmap.execute.inplace import rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
+from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
@@ -81,19 +83,38 @@ def compile(
     preset: str | None = None,
     mapping: PathLike | RuleMapping | None = None,
     params: Mapping[str, Any] | None = None,
+    side_files: bool = True,
 ) -> Plan:
     """Compile a mapping against a checkpoint's headers and config into a :class:`Plan`.
 
-    Reads no tensor data; every problem is reported at once as a ``MappingError``.
+    Reads no tensor data; every problem is reported at once as a ``MappingError``. The plan
+    lists the side files a conversion would carry (``side_files=False``: none).
 
     >>> plan = compile("examples/eagle3-speculators", preset="eagle3-sglang")
     >>> print(plan.explain())                                   # doctest: +SKIP
     """
     rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
-        return compile_plan(rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}))
-    with Checkpoint.open(checkpoint) as ckpt:
-        return compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        files = _side_files(checkpoint.root, checkpoint, rules, side_files, None)
+        return compile_plan(
+            rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}), files=files
+        )
+    with Checkpoint.open(checkpoint, config_name=rules.config_file) as ckpt:
+        files = _side_files(checkpoint, ckpt, rules, side_files, None)
+        return compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
+        )
+
+
+def _side_files(
+    given: PathLike, ckpt: Checkpoint, rules: RuleMapping, carry: bool, out: PathLike | None
+) -> FolderFiles | None:
+    """The side files to carry: those of the input folder; none for a file given alone (its
+    folder may be any folder) or when carrying is off."""
+    if not carry or not Path(given).is_dir():
+        return None
+    exclude = [Path(out)] if out is not None else []
+    return list_side_files(ckpt.root, config_name=rules.config_file, exclude=exclude)
 
 
 def _progress_fn(
@@ -141,11 +162,17 @@ def remap(
     progress: bool | ProgressCallback | None = None,
     workers: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    side_files: bool = True,
+    on_plan: Callable[[Plan], None] | None = None,
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
     - ``checkpoint``: a folder (``model.safetensors`` or shards + index, optional config.json)
       or one ``.safetensors`` file.
+    - ``side_files``: carry the folder's other files (tokenizer, generation config, README...)
+      into ``out``, byte for byte, as the mapping's ``files { }`` blocks say; False writes
+      the weights and config.json alone.
+    - ``on_plan(plan)`` is called once the plan is made, before any byte is written.
     - ``preset`` names a mapping from :func:`presets`; ``mapping`` is a file path or rule text.
       ``params`` overrides the mapping's ``param`` defaults.
     - ``dry_run=True`` compiles and returns the plan, writing nothing.
@@ -169,8 +196,13 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
-    with Checkpoint.open(checkpoint) as ckpt:
-        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+    with Checkpoint.open(checkpoint, config_name=rules.config_file) as ckpt:
+        carried = _side_files(checkpoint, ckpt, rules, side_files and not inplace, out)
+        plan = compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
+        )
+        if on_plan is not None:
+            on_plan(plan)
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
@@ -190,7 +222,10 @@ def remap(
     return Result(
         plan=plan,
         dest=dest,
-        paths=tuple(dest / s.filename for s in writer.shards),
+        paths=(
+            *(dest / s.filename for s in writer.shards),
+            *(dest / f.name for f in plan.files),
+        ),
         bytes_written=stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
         seconds=time.perf_counter() - start,
@@ -210,13 +245,17 @@ def _write(
     chunk_bytes: int,
     checksum: bool,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
-    """Run the streaming executor with the progress display the caller asked for."""
-    total = sum(s.nbytes for s in plan.output_specs())
+    """Run the streaming executor with the progress display the caller asked for; the side
+    files go into the same temporary folder, before it is committed."""
+    total = sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files)
     tick, close = _progress_fn(progress, total)
 
     def check(folder: Path, stats: ExecutionStats) -> None:
+        write_side_files(plan.files, ckpt.root, folder, tick)
+        if not checksum:
+            return
         # The finished output, before it is moved into place: a failure commits nothing.
-        problems = verify(folder, plan, stats.checksums or {})
+        problems = _check_output(folder, plan, stats.checksums or {}, ckpt.root)
         if problems:
             raise ExecutionError(
                 f"{out}: verification failed: {'; '.join(problems[:5])}"
@@ -236,7 +275,7 @@ def _write(
             checksum=checksum,
             progress=tick,
             metadata={"format": "pt", **ckpt.metadata},
-            before_commit=check if checksum else None,
+            before_commit=check,
         )
     finally:
         close()
@@ -255,7 +294,9 @@ def verify(
     ``checksums`` (output name -> CRC-32, as ``Result.checksums`` holds after ``verify=True``)
     or, given ``source`` (the input checkpoint), with the outputs recomputed from it. Without
     either for every output that has bytes there is nothing to compare the bytes with, and
-    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine.
+    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine. Side files
+    are compared with the plan (present, sizes, added text) and, given a ``source`` folder,
+    with the input's files byte for byte.
 
     >>> result = remap(src, "out", preset="eagle3-sglang", verify=True)   # doctest: +SKIP
     >>> verify("out", result.plan, result.checksums)                      # doctest: +SKIP
@@ -272,13 +313,22 @@ def verify(
                 "bytes cannot be verified: pass the checksums of a run with verify=True "
                 "(Result.checksums), or source= the input checkpoint to recompute them"
             )
-    elif isinstance(source, Checkpoint):
-        checksums = _recomputed(plan, source)
-    else:
-        with Checkpoint.open(source) as ckpt:
-            checksums = _recomputed(plan, ckpt)
+        return _check_output(Path(dest), plan, checksums, None)
+    if isinstance(source, Checkpoint):
+        return _check_output(Path(dest), plan, _recomputed(plan, source), source.root)
+    with Checkpoint.open(source) as ckpt:
+        checksums = _recomputed(plan, ckpt)
+    return _check_output(Path(dest), plan, checksums, ckpt.root)
+
+
+def _check_output(
+    dest: Path, plan: Plan, checksums: Mapping[str, int], files_root: Path | None
+) -> list[str]:
+    """The tensors and config of ``dest`` against the plan and checksums; its side files
+    against the plan and, given ``files_root``, the input's files."""
     with Checkpoint.open(dest) as ckpt:
-        return _differences(plan, ckpt, checksums)
+        problems = _differences(plan, ckpt, checksums)
+    return problems + check_side_files(plan.files, dest, files_root)
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -344,7 +394,7 @@ def iter_tensors(
     The whole plan is compiled (and every problem reported) before the first tensor is yielded.
     """
     rules = resolve_mapping(preset, mapping)
-    ckpt = Checkpoint.open(checkpoint)
+    ckpt = Checkpoint.open(checkpoint, config_name=rules.config_file)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
         check_torch_shapes(plan)

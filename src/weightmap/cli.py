@@ -89,6 +89,7 @@ def _summary(plan: Plan) -> str:
         f"plan: {len(plan.inputs)} input tensors -> {len(plan.outputs)} outputs"
         f" ({len(plan.dropped)} dropped), {total:,} bytes ({_human(total)})"
         + ("; config.json edited" if plan.config_changed else "")
+        + (f"; {len(plan.files)} side file(s)" if plan.files else "")
     )
 
 
@@ -108,6 +109,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("give DST (the output folder), or --inplace / --dry-run")
     quiet = args.quiet
     progress: bool | None = False if (args.no_progress or quiet) else None
+
+    def show(plan: Plan) -> None:
+        # Before any work, so the summary and warnings come before the progress bar.
+        _warn(plan)
+        if not quiet:
+            print(_summary(plan), flush=True)
+            if args.dry_run:
+                print(plan.explain())
+
     result = remap(
         args.src,
         args.dst,
@@ -120,18 +130,21 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=progress,
         workers=args.workers,
+        side_files=not args.no_side_files,
+        on_plan=show,
     )
-    _warn(result.plan)
     if not quiet:
-        print(_summary(result.plan))
-        if args.dry_run:
-            print(result.plan.explain())
         print(result)
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    plan = compile_plan_for(args.src, mapping=_mapping_of(args), params=_params(args.set))
+    plan = compile_plan_for(
+        args.src,
+        mapping=_mapping_of(args),
+        params=_params(args.set),
+        side_files=not args.no_side_files,
+    )
     if args.json:
         print(plan.to_json(indent=2))
         return 0
@@ -293,6 +306,15 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _side_files_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-side-files",
+        action="store_true",
+        help="write the weights and config.json only; by default the folder's other files "
+        "(tokenizer, generation config, README...) are carried into DST",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
@@ -314,6 +336,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--workers", type=int, default=None, help="writer threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _side_files_arg(p)
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.set_defaults(func=_cmd_convert)
 
@@ -321,6 +344,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
+    _side_files_arg(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("inspect", help="list a checkpoint's tensors")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.compiler.configedit import apply_config_block
+from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known
@@ -25,6 +26,7 @@ from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import CompileError, LocatedProblem, MappingError, Problem
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.sidefiles import FolderFiles
 from weightmap.format.text import json_problem
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
@@ -43,14 +45,22 @@ class _Flat:
     rules: list[A.Rule] = field(default_factory=list)
     checks: list[A.Require | A.Warn] = field(default_factory=list)
     configs: list[A.ConfigBlock] = field(default_factory=list)
+    files: list[A.FilesBlock] = field(default_factory=list)
     unmatched: A.Unmatched | None = None
 
 
 class _Compiler:
-    def __init__(self, mapping: Mapping, inputs: Sequence[TensorSpec], config: Any) -> None:
+    def __init__(
+        self,
+        mapping: Mapping,
+        inputs: Sequence[TensorSpec],
+        config: Any,
+        files: FolderFiles | None = None,
+    ) -> None:
         self.mapping = mapping
         self.inputs = tuple(inputs)
         self.config = config
+        self.files = files
         self.problems: list[Problem] = []
         self.warnings: list[str] = []
         self._exists: dict[str, bool] = {}
@@ -76,6 +86,8 @@ class _Compiler:
             seen.add(spec.name)
 
     def exists(self, pattern: A.Pattern) -> bool:
+        if isinstance(pattern, A.FilePattern):
+            return file_exists(None if self.files is None else self.files.files, pattern)
         if pattern.text not in self._exists:
             rx = compile_pattern(pattern)
             self._exists[pattern.text] = any(rx.fullmatch(s.name) for s in self.inputs)
@@ -118,6 +130,8 @@ class _Compiler:
                 out.checks.append(st)
             elif isinstance(st, A.ConfigBlock):
                 out.configs.append(st)
+            elif isinstance(st, A.FilesBlock):
+                out.files.append(st)
             elif isinstance(st, A.Unmatched):
                 if out.unmatched is not None:
                     self.report(
@@ -161,11 +175,13 @@ def compile_plan(
     config: dict[str, Any] | None = None,
     *,
     params: dict[str, Any] | None = None,
+    files: FolderFiles | None = None,
 ) -> Plan:
     """Compile ``mapping`` against input headers and config.json into a Plan.
 
-    Never reads tensor data. Raises :class:`CompileError` (a MappingError) listing every
-    problem with its file:line:col.
+    ``files`` are the side files of the input folder (``format/sidefiles.py``); None when they
+    are not carried. Never reads tensor data. Raises :class:`CompileError` (a MappingError)
+    listing every problem with its file:line:col.
 
     >>> from weightmap.language.mapping import load_mapping
     >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')
@@ -177,7 +193,7 @@ def compile_plan(
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _compile(mapping, inputs, config, params)
+        return _compile(mapping, inputs, config, params, files)
     finally:
         if paused:
             gc.enable()
@@ -196,9 +212,10 @@ def _compile(
     inputs: Sequence[TensorSpec],
     config: dict[str, Any] | None,
     params: dict[str, Any] | None,
+    files: FolderFiles | None = None,
 ) -> Plan:
     _check_arguments(params, config)
-    c = _Compiler(mapping, inputs, config)
+    c = _Compiler(mapping, inputs, config, files)
     c.check_unique_inputs()
     values = c.params(params)
     scope = Scope(values, config, {}, None, c.exists)
@@ -211,6 +228,10 @@ def _compile(
     rules = [r for r in flat.rules if c.check_rule(r)]
     outputs, dropped = run_rules(c, rules, scope, flat.unmatched)
     out_config = _edit_config(c, flat.configs, config, scope)
+    where = A.Loc(mapping.name, 1, 1)
+    side = apply_files_blocks(
+        flat.files, None if files is None else files.files, scope, c.report, where
+    )
     check_names(outputs, c.report)
     if c.problems:
         raise CompileError(c.problems, mapping.name)
@@ -219,10 +240,11 @@ def _compile(
         inputs=c.inputs,
         outputs=tuple(outputs),
         dropped=tuple(dropped),
-        warnings=tuple(c.warnings),
+        warnings=(*c.warnings, *(files.skipped if files is not None else ())),
         params=values,
         config=out_config,
         input_config=config,
+        files=side,
     )
 
 

@@ -156,6 +156,28 @@ def _check_complete(
         )
 
 
+def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any] | None:
+    """The JSON object in ``root / name``; None when it is absent and not ``required``."""
+    config_path = root / name
+    if not config_path.is_file():
+        if not required:
+            return None
+        raise CheckpointError(
+            f"the mapping reads its config from {name} (`config from`), which the folder does "
+            "not have",
+            path=root,
+            rule="missing-config",
+        )
+    loaded = read_json_file(config_path, name)
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"{name} holds a JSON {type(loaded).__name__}, not an object",
+            path=config_path,
+            rule="config",
+        )
+    return loaded
+
+
 class Checkpoint:
     """A validated safetensors checkpoint.
 
@@ -187,12 +209,14 @@ class Checkpoint:
     # -- opening -----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], *, config_name: str = CONFIG_NAME) -> Checkpoint:
         """Open and validate a checkpoint folder or file.
 
         Headers, index and config are read under the folder's shared lock (see
         ``format/lock.py``), so they are all from before or all from after an in-place
-        rename; a rename in progress is waited for.
+        rename; a rename in progress is waited for. ``config_name`` is the JSON file read as
+        the config (a mapping's ``config from "params.json"``): config.json is optional,
+        another file named this way must exist.
         """
         p = Path(path)
         if not p.exists():
@@ -204,7 +228,10 @@ class Checkpoint:
                 rule="layout",
             )
         with folder_lock(p.parent if p.is_file() else p, exclusive=False):
-            return cls._open_unlocked(p)
+            ckpt = cls._open_unlocked(p)
+        if config_name != CONFIG_NAME:
+            ckpt._config = _read_config(ckpt.root, config_name, required=True)
+        return ckpt
 
     @classmethod
     def _open_unlocked(cls, p: Path) -> Checkpoint:
@@ -310,18 +337,7 @@ class Checkpoint:
                         rule="duplicate-name",
                     )
                 tensors[name] = (f, info)
-        config: dict[str, Any] | None = None
-        config_path = root / CONFIG_NAME
-        if config_path.is_file():
-            loaded = read_json_file(config_path, "config.json")
-            if not isinstance(loaded, dict):
-                raise CheckpointError(
-                    f"config.json holds a JSON {type(loaded).__name__}, not an object",
-                    path=config_path,
-                    rule="config",
-                )
-            config = loaded
-        return cls(root, headers, tensors, config, index_path)
+        return cls(root, headers, tensors, _read_config(root, CONFIG_NAME), index_path)
 
     # -- metadata ------------------------------------------------------------------------------
 

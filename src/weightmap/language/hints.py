@@ -31,6 +31,7 @@ STATEMENT_KEYWORDS = [
     "include",
     "unmatched",
     "config",
+    "files",
     "if",
 ]
 CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
