@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
-from weightmap.errors import ExecutionError, WeightmapError
+from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.inplace import rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
@@ -206,6 +206,13 @@ def remap(
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
+            if ckpt.format != "safetensors":
+                raise CheckpointError(
+                    "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
+                    "converted into a new folder (give an output folder instead)",
+                    path=ckpt.root,
+                    rule="inplace-format",
+                )
             files = rewrite_inplace(plan, ckpt)
             return Result(
                 plan=plan,

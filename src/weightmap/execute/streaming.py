@@ -147,6 +147,8 @@ class _Runner:
 
     def run(self, name: str, node: Node) -> None:
         segments = byte_segments(node)
+        if segments is not None and not all(self.ckpt.has_range(s.name) for s in segments):
+            segments = None  # a PyTorch tensor strided in its storage: no byte range to copy
         _, _, length = self.writer.target(name)
         if segments is not None and (
             len(segments) <= _FEW_SEGMENTS or length // len(segments) >= _MIN_SEGMENT

@@ -1,0 +1,246 @@
+"""PyTorch checkpoints (``pytorch_model.bin``, ``.pt``, ``.pth``): read without running code,
+in bounded memory.
+
+A file is loaded with ``torch.load(weights_only=True, mmap=True)``: the restricted unpickler
+builds tensors and plain containers and nothing else (a pickle that needs a class or a
+function is refused), and every tensor is a view of the file mapped copy-on-write, so no
+tensor byte is read until it is used.
+
+Bytes without torch: ``torch.save`` writes a zip archive whose members are stored
+uncompressed, one per storage (``<archive>/data/<key>``). A tensor that is contiguous in its
+storage is therefore one byte range of the file: the storage member's data offset, plus the
+tensor's storage offset times its element size, ``numel * itemsize`` bytes long. The
+streaming executor copies such ranges in the kernel, as it does safetensors data. Which member
+holds which storage is found by address: all storages are slices of one mapping of the whole
+file, so a storage's address minus the mapping's start is its file offset, checked against
+the archive's directory. A tensor that is not contiguous (a saved ``w.t()``) has no such
+range; it is marked ``strided`` and read through its view (the executor computes it). Tensors
+sharing a storage (tied embeddings) are ranges that overlap, which reading allows.
+
+Refused with a one-line error that says what to do: the legacy (pre-zip) format, which
+cannot be mapped; pickles that need code (custom classes, numpy arrays); TorchScript
+archives; a big-endian archive; dtypes safetensors has no name for; anything that is not a
+dict of tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import struct
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from weightmap.errors import CheckpointError
+from weightmap.format.dtypes import DTYPES
+from weightmap.format.header import Header, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PICKLE_SUFFIXES", "STATE_DICT_KEYS", "PickleHeader", "is_pickle", "read_pickle"]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# Training checkpoints keep the weights one level down; other entries (optimizer, epoch) are
+# ignored.
+STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+# data.pkl of a state dict is a few MB even for 100,000 tensors.
+MAX_PICKLE_BYTES = 256 * 2**20
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+
+
+@dataclass(frozen=True)
+class PickleHeader(Header):
+    """What a PyTorch checkpoint holds, in the shape of a safetensors :class:`Header`.
+
+    ``TensorInfo.begin``/``end`` are file offsets (``data_start`` is 0); for the tensors in
+    ``strided`` they only give the size, as those are no single byte range.
+    """
+
+    strided: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @property
+    def data_start(self) -> int:
+        """Offsets are absolute in a PyTorch checkpoint."""
+        return 0
+
+
+def is_pickle(path: Path) -> bool:
+    """True for the file names PyTorch checkpoints use (``.bin``, ``.pt``, ``.pth``)."""
+    return path.name.endswith(PICKLE_SUFFIXES)
+
+
+def _fail(path: Path, message: str, rule: str = "pickle") -> CheckpointError:
+    return CheckpointError(message, path=path, rule=rule)
+
+
+def _torch_dtypes() -> dict[Any, str]:
+    import torch
+
+    out = {}
+    for dt in DTYPES.values():
+        if dt.torch_name and dt.name != "F4" and hasattr(torch, dt.torch_name):
+            out[getattr(torch, dt.torch_name)] = dt.name
+    return out
+
+
+def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
+    """``{key: (data offset, size)}`` of the storage members, and the byteorder record."""
+    try:
+        with zipfile.ZipFile(path) as z, path.open("rb") as f:
+            infos = z.infolist()
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise _fail(path, "is a zip archive but not a PyTorch checkpoint (no data.pkl)")
+            if pickles[0].file_size > MAX_PICKLE_BYTES:
+                raise _fail(
+                    path,
+                    f"its pickle is {pickles[0].file_size:,} bytes, over the "
+                    f"{MAX_PICKLE_BYTES:,}-byte limit (a state dict's is a few MB)",
+                    "pickle-too-large",
+                )
+            prefix = pickles[0].filename[: -len("data.pkl")]
+            byteorder = None
+            members = {}
+            for info in infos:
+                if info.filename == prefix + "byteorder":
+                    byteorder = z.read(info)
+                if not info.filename.startswith(prefix + "data/"):
+                    continue
+                f.seek(info.header_offset)
+                local = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+                if local[0] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+                    raise _fail(path, f"storage {info.filename} is not stored uncompressed")
+                start = info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
+                members[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
+            return members, byteorder
+    except (zipfile.BadZipFile, struct.error, OSError) as err:
+        raise _fail(path, f"is a damaged zip archive ({err})") from None
+
+
+def _load(path: Path) -> Any:
+    import torch
+
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if not magic.startswith(b"PK"):
+        if magic[:1] == b"\x80":
+            raise _fail(
+                path,
+                "is a PyTorch checkpoint in the legacy (pre-1.6, non-zip) format, which cannot be "
+                'memory-mapped; save it again in the zip format first (python -c "import torch; '
+                f"torch.save(torch.load('{path.name}', weights_only=True), 'model.pt')\")",
+                "pickle-legacy",
+            )
+        raise _fail(path, "is neither a PyTorch checkpoint (a zip archive) nor safetensors")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. TypedStorage deprecation in old archives
+            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise _fail(
+            path,
+            f"holds objects that loading would have to run code for{what}, and weightmap never "
+            "runs code from a checkpoint; if you trust the file, load it yourself and save the "
+            "state dict alone (torch.save(model.state_dict(), ...) or safetensors' save_file)",
+            "pickle-code",
+        ) from None
+    except RuntimeError as err:
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "TorchScript" in text:
+            text = "a TorchScript archive, not a state dict; save model.state_dict() instead"
+        raise _fail(path, f"cannot be read as a PyTorch checkpoint: {text}") from None
+
+
+def _state_dict(path: Path, obj: Any) -> dict[str, torch.Tensor]:
+    import torch
+
+    if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        nested = [k for k in STATE_DICT_KEYS if isinstance(obj.get(k), dict)]
+        if len(nested) == 1:
+            obj = obj[nested[0]]
+    if not isinstance(obj, dict):
+        raise _fail(path, f"holds a {type(obj).__name__}, not a dict of tensors (a state dict)")
+    bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        shown = ", ".join(repr(k)[:80] for k in bad[:5])
+        raise _fail(
+            path,
+            f"is not a state dict: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} ({shown}) "
+            f"are not tensors named by strings (weights nested under one of "
+            f"{', '.join(STATE_DICT_KEYS)} are found)",
+        )
+    return obj
+
+
+def _storage_offsets(
+    tensors: Mapping[str, torch.Tensor], members: dict[str, tuple[int, int]]
+) -> dict[int, int] | None:
+    """File offset of each storage, by its address; None where the addresses do not line up
+    with the archive (then every tensor is read through its view)."""
+    ptrs: dict[int, int] = {}
+    for t in tensors.values():
+        st = t.untyped_storage()
+        if st.nbytes():
+            ptrs[st.data_ptr()] = st.nbytes()
+    spans = sorted((start, size) for start, size in members.values() if size)
+    found = sorted(ptrs.items())
+    if len(found) != len(spans) or not found:
+        return None
+    base = found[0][0] - spans[0][0]
+    for (ptr, nbytes), (start, size) in zip(found, spans, strict=True):
+        if ptr - base != start or nbytes > size:
+            return None
+    return {ptr: ptr - base for ptr, _ in found}
+
+
+def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
+    """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
+    tensors, each a copy-on-write view of the memory-mapped file."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise _fail(p, "file does not exist", "missing") from None
+    members, byteorder = _members(p) if zipfile.is_zipfile(p) else ({}, None)
+    tensors = _state_dict(p, _load(p))
+    if byteorder not in (None, b"little"):
+        raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
+    import torch
+
+    names = _torch_dtypes()
+    offsets = _storage_offsets(tensors, members)
+    infos: dict[str, TensorInfo] = {}
+    strided = set()
+    for name, t in tensors.items():
+        if t.layout != torch.strided or t.device.type != "cpu":
+            raise _fail(p, f"tensor {name!r} is not a dense tensor ({t.layout})")
+        dtype = names.get(t.dtype)
+        if dtype is None:
+            raise _fail(p, f"tensor {name!r} is {t.dtype}, which safetensors has no name for")
+        size = int(t.numel()) * t.element_size()
+        storage = t.untyped_storage()
+        begin = int(t.storage_offset()) * t.element_size()
+        if offsets is not None and storage.data_ptr() in offsets and t.is_contiguous():
+            begin += offsets[storage.data_ptr()]
+        elif size:
+            strided.add(name)
+        infos[name] = TensorInfo(name, dtype, tuple(t.shape), begin, begin + size)
+    header = PickleHeader(
+        path=str(p),
+        header_size=0,
+        tensors=MappingProxyType(infos),
+        metadata=None,
+        file_size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        strided=frozenset(strided),
+    )
+    return header, tensors
