@@ -20,6 +20,8 @@ from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.hub import HubRepo, looks_like_repo_id
+from weightmap.format.layout import CONFIG_NAME
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
@@ -95,26 +97,63 @@ def compile(
     """
     rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
-        files = _side_files(checkpoint.root, checkpoint, rules, side_files, None)
+        src = _Source(checkpoint.root, True)
+        files = src.side_files(checkpoint, rules, side_files, None)
         return compile_plan(
             rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}), files=files
         )
-    with Checkpoint.open(checkpoint, config_name=rules.config_file) as ckpt:
-        files = _side_files(checkpoint, ckpt, rules, side_files, None)
+    src = _Source.resolve(checkpoint, rules.config_file, progress=False)
+    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+        files = src.side_files(ckpt, rules, side_files, None)
         return compile_plan(
             rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
         )
 
 
-def _side_files(
-    given: PathLike, ckpt: Checkpoint, rules: RuleMapping, carry: bool, out: PathLike | None
-) -> FolderFiles | None:
-    """The side files to carry: those of the input folder; none for a file given alone (its
-    folder may be any folder) or when carrying is off."""
-    if not carry or not Path(given).is_dir():
-        return None
-    exclude = [Path(out)] if out is not None else []
-    return list_side_files(ckpt.root, config_name=rules.config_file, exclude=exclude)
+def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
+    """Open a local checkpoint, or a Hub repository id's (its weights and config fetched
+    into huggingface_hub's cache first)."""
+    src = _Source.resolve(checkpoint, config_name, progress=sys.stderr.isatty())
+    return Checkpoint.open(src.path, config_name=config_name)
+
+
+@dataclass
+class _Source:
+    """What the caller named as the input: a local folder or file, or a Hub repository id
+    (``org/name[@revision]``) resolved into huggingface_hub's cache."""
+
+    path: PathLike
+    folder: bool
+    repo: HubRepo | None = None
+    listing: dict[str, int] | None = None
+
+    @classmethod
+    def resolve(cls, checkpoint: PathLike, config_name: str, *, progress: bool) -> _Source:
+        given = os.fspath(checkpoint)
+        if Path(given).exists() or not looks_like_repo_id(given):
+            return cls(checkpoint, Path(given).is_dir())
+        repo = HubRepo(given)
+        listing = repo.files()
+        wanted = repo.checkpoint_files(listing, config_name)
+        return cls(repo.fetch(wanted, progress=progress), True, repo, listing)
+
+    def side_files(
+        self, ckpt: Checkpoint, rules: RuleMapping, carry: bool, out: PathLike | None
+    ) -> FolderFiles | None:
+        """The side files to carry: those of the input folder (or repository); none for a
+        file given alone (its folder may be any folder) or when carrying is off."""
+        if not carry or not self.folder:
+            return None
+        if self.repo is not None and self.listing is not None:
+            return self.repo.side_files(self.listing, rules.config_file)
+        exclude = [Path(out)] if out is not None else []
+        return list_side_files(ckpt.root, config_name=rules.config_file, exclude=exclude)
+
+    def fetch(self, plan: Plan, *, progress: bool) -> None:
+        """Download the side files the plan carries from a repository (the cache first)."""
+        wanted = [f.source for f in plan.files if f.source is not None]
+        if self.repo is not None and wanted:
+            self.repo.fetch(wanted, progress=progress)
 
 
 def _progress_fn(
@@ -167,8 +206,10 @@ def remap(
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
-    - ``checkpoint``: a folder (``model.safetensors`` or shards + index, optional config.json)
-      or one ``.safetensors`` file.
+    - ``checkpoint``: a folder (``model.safetensors`` or shards + index, or PyTorch's
+      ``pytorch_model.bin``, sharded ``.bin`` + index, one ``.pt``/``.pth``; optional
+      config.json), one such file, or a Hugging Face repository id ``org/name[@revision]``
+      (with the ``hub`` extra: the cache first, then only the files the plan needs).
     - ``side_files``: carry the folder's other files (tokenizer, generation config, README...)
       into ``out``, byte for byte, as the mapping's ``files { }`` blocks say; False writes
       the weights and config.json alone.
@@ -196,13 +237,17 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
-    with Checkpoint.open(checkpoint, config_name=rules.config_file) as ckpt:
-        carried = _side_files(checkpoint, ckpt, rules, side_files and not inplace, out)
+    bars = progress is True or (progress is None and sys.stderr.isatty())
+    src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
+    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+        carried = src.side_files(ckpt, rules, side_files and not inplace, out)
         plan = compile_plan(
             rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
         )
         if on_plan is not None:
             on_plan(plan)
+        if not dry_run:
+            src.fetch(plan, progress=bars)
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
@@ -401,7 +446,8 @@ def iter_tensors(
     The whole plan is compiled (and every problem reported) before the first tensor is yielded.
     """
     rules = resolve_mapping(preset, mapping)
-    ckpt = Checkpoint.open(checkpoint, config_name=rules.config_file)
+    src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
+    ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
         check_torch_shapes(plan)

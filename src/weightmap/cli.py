@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.api import compile as compile_plan_for
-from weightmap.api import invert, remap
+from weightmap.api import invert, open_checkpoint, remap
 from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
 from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, stale_temporaries
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME
 from weightmap.format.text import JsonRefused, json_problem, strict_json
@@ -155,7 +154,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    with Checkpoint.open(args.checkpoint) as ckpt:
+    with open_checkpoint(args.checkpoint) as ckpt:
         rows = [
             (name, info.dtype, list(info.shape), info.nbytes, ckpt.file_of(name).name)
             for name, info in ckpt.tensors.items()
@@ -198,7 +197,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    with Checkpoint.open(args.a) as a, Checkpoint.open(args.b) as b:
+    with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
         d = diff_checkpoints(a, b)
     for name in d.only_a:
         print(f"only in A: {name}")
@@ -326,7 +325,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("convert", help="convert a checkpoint with a preset or a mapping")
-    p.add_argument("src", help="checkpoint folder or .safetensors file")
+    p.add_argument(
+        "src",
+        help="checkpoint folder, a .safetensors/.bin/.pt/.pth file, or a Hugging Face repo id "
+        "org/name[@revision]",
+    )
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
