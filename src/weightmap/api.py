@@ -237,6 +237,8 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
+    if out is not None:
+        _check_destination(Path(out))
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
@@ -283,6 +285,23 @@ def remap(
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
+    )
+
+
+# Names that say "a file": a destination called so is almost always meant as the output file,
+# while weightmap writes a folder.
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
+
+
+def _check_destination(out: Path) -> None:
+    """Refuse a destination named like a file (``out/model.safetensors``) before any work."""
+    if out.is_dir() or not out.name.lower().endswith(_FILE_SUFFIXES):
+        return
+    raise ValueError(
+        f"{out} is named like a file, but the destination is a folder: weightmap writes "
+        f"model.safetensors (or shards and an index), config.json and the side files inside "
+        f"it; give the folder ({out.parent / out.stem}), or create a folder of that name "
+        "first and pass overwrite=True (--overwrite)"
     )
 
 

@@ -79,6 +79,11 @@ def _named_mapping(spec: str) -> Mapping:
     if Path(spec).exists() and not Path(spec).is_dir():
         # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
+    if spec not in preset_names() and ("/" in spec or spec.endswith(".wm")):
+        raise UsageError(
+            f"{spec}: no such mapping file (and no preset by that name; presets: "
+            f"{', '.join(preset_names()) or 'none'})"
+        )
     return resolve_mapping(preset=spec)
 
 
@@ -305,6 +310,13 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+_SRC_HELP = (
+    "a checkpoint folder, a .safetensors/.bin/.pt/.pth file, or a Hugging Face repo id "
+    "org/name[@revision]"
+)
+_MAPPING_HELP = "a mapping file, or a preset name (see `weightmap presets`)"
+
+
 def _side_files_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-side-files",
@@ -325,11 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("convert", help="convert a checkpoint with a preset or a mapping")
-    p.add_argument(
-        "src",
-        help="checkpoint folder, a .safetensors/.bin/.pt/.pth file, or a Hugging Face repo id "
-        "org/name[@revision]",
-    )
+    p.add_argument("src", help=_SRC_HELP)
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
@@ -344,38 +352,45 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plan", help="show what a conversion would do, writing nothing")
-    p.add_argument("src")
+    p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     _side_files_arg(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("inspect", help="list a checkpoint's tensors")
-    p.add_argument("checkpoint", help="a checkpoint folder or a .safetensors file")
+    p.add_argument("checkpoint", help=_SRC_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="the first checkpoint (" + _SRC_HELP + ")")
+    p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
 
     p = sub.add_parser("presets", help="list presets, or show one")
-    p.add_argument("name", nargs="?")
+    p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.set_defaults(func=_cmd_presets)
 
     p = sub.add_parser("check", help="parse a mapping, and compile it against a checkpoint")
-    p.add_argument("mapping")
-    p.add_argument("checkpoint", nargs="?")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.add_argument("mapping", help=_MAPPING_HELP)
+    p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+    )
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("invert", help="print the inverse of a mapping (file or preset)")
-    p.add_argument("mapping")
+    p.add_argument("mapping", help=_MAPPING_HELP)
     p.set_defaults(func=_cmd_invert)
 
     p = sub.add_parser("clean", help="remove what killed runs left in a folder")
-    p.add_argument("path")
+    p.add_argument(
+        "path", help="a checkpoint folder, or the folder an output was being written into"
+    )
     p.set_defaults(func=_cmd_clean)
     return parser
 

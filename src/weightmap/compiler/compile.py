@@ -17,27 +17,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.compiler.configedit import apply_config_block
+from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known
 from weightmap.compiler.pattern import compile_pattern
+from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
-from weightmap.errors import CompileError, LocatedProblem, MappingError, Problem
+from weightmap.errors import CompileError, LocatedProblem, MappingError
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.sidefiles import FolderFiles
 from weightmap.format.text import json_problem
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_expr, render
+from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
 from weightmap.language.values import EvalError, Scope, truth
 from weightmap.plan.nodes import Node
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
-
-PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
 
 
 @dataclass
@@ -61,19 +61,14 @@ class _Compiler:
         self.inputs = tuple(inputs)
         self.config = config
         self.files = files
-        self.problems: list[Problem] = []
+        self.problems = Problems()
         self.warnings: list[str] = []
         self._exists: dict[str, bool] = {}
-        self._counts: dict[A.Loc, int] = {}
         self.failed_require = False
         self.filter_failed: set[int] = set()
 
     def report(self, loc: A.Loc, message: str) -> None:
-        n = self._counts[loc] = self._counts.get(loc, 0) + 1
-        if n <= PER_RULE_LIMIT:
-            self.problems.append(Problem(loc, message))
-        elif n == PER_RULE_LIMIT + 1:
-            self.problems.append(Problem(loc, "... more problems like these (first 20 shown)"))
+        self.problems.report(loc, message)
 
     def check_unique_inputs(self) -> None:
         seen: set[str] = set()
@@ -100,8 +95,10 @@ class _Compiler:
         for name, value in (overrides or {}).items():
             if name not in values:
                 known = ", ".join(sorted(values)) or "none"
+                hint = did_you_mean(name, values, quote="'")
                 self.report(
-                    A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})"
+                    A.Loc(self.mapping.name, 1, 1),
+                    f"unknown param {name!r}{hint} (params: {known})",
                 )
             elif (why := json_problem(value)) is not None:
                 # Checked first: repr() of a 5000-digit int raises ValueError.
@@ -224,7 +221,7 @@ def _compile(
     c.checks(flat.checks, scope)
     if c.failed_require:
         # Rule errors against a checkpoint the mapping refuses would only be noise.
-        raise CompileError(c.problems, mapping.name)
+        raise CompileError(c.problems.grouped(), mapping.name)
     rules = [r for r in flat.rules if c.check_rule(r)]
     outputs, dropped = run_rules(c, rules, scope, flat.unmatched)
     out_config = _edit_config(c, flat.configs, config, scope)
@@ -233,8 +230,9 @@ def _compile(
         flat.files, None if files is None else files.files, scope, c.report, where
     )
     check_names(outputs, c.report)
+    c.warnings += stale_dtype_fields(outputs, config, out_config)
     if c.problems:
-        raise CompileError(c.problems, mapping.name)
+        raise CompileError(c.problems.grouped(), mapping.name)
     return Plan.build(
         mapping_name=mapping.name,
         inputs=c.inputs,
@@ -274,7 +272,9 @@ def run_rules(
             step.group(taken)
         else:
             for item, m in taken:
+                c.problems.tensor = item.spec.name  # a problem now is about this tensor
                 step.one(item, m)
+            c.problems.tensor = None
         for item, _m in taken:
             for src in item.node.sources():
                 gone[src.name] = rule.loc
@@ -368,8 +368,11 @@ def _nothing(
                 "what the rules above it left)",
             )
         elif p.is_literal:
+            close = closest(p.text, ws.alive)
+            hint = f"; did you mean `{close}`?" if close is not None else ""
             report(
-                p.loc, f"input tensor `{p.text}` is missing (write `{rule.op}?` if it is optional)"
+                p.loc,
+                f"input tensor `{p.text}` is missing{hint} (write `{rule.op}?` if it is optional)",
             )
         else:
             report(

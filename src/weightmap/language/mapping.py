@@ -17,7 +17,7 @@ from typing import Any
 from weightmap.errors import MappingError, MappingSyntaxError
 from weightmap.format.layout import CONFIG_NAME
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_expr, resolve_dtype
+from weightmap.language.expr import closest, compile_expr, did_you_mean, resolve_dtype
 from weightmap.language.parse import parse_program
 from weightmap.language.resources import data_dir
 from weightmap.language.values import TENSOR_NAMES, WORK_LIMIT, EvalError, Scope
@@ -344,8 +344,9 @@ def resolve_mapping(
         )
     if preset is not None:
         if preset not in preset_names() and _looks_like_file(preset):
+            what = "is a mapping file" if _is_file(preset) else "looks like a mapping file"
             raise MappingError(
-                f"{preset!r} is a mapping file, not a preset name: pass it as mapping= "
+                f"{preset!r} {what}, not a preset name: pass it as mapping= "
                 "(--mapping FILE); presets are: " + (", ".join(preset_names()) or "none")
             )
         return load_preset(preset)
@@ -363,8 +364,11 @@ def resolve_mapping(
                 f"(--preset {mapping})"
             )
         if _looks_like_file(mapping) or (mapping.strip() == mapping and " " not in mapping):
+            close = closest(mapping, preset_names())
+            hint = f"; did you mean the preset {close!r} (--preset {close})?" if close else ""
             raise MappingError(
-                f"mapping file {mapping!r} does not exist (rule text starts with `weightmap 1`)"
+                f"mapping file {mapping!r} does not exist{hint} (rule text starts with "
+                "`weightmap 1`)"
             )
     return load_mapping(mapping)
 
@@ -388,7 +392,8 @@ def _preset_text(name: str, loc: A.Loc | None = None) -> str:
         return data_dir("mappings").joinpath(name + PRESET_SUFFIX).read_text(encoding="utf-8")
     except (FileNotFoundError, OSError):
         known = ", ".join(preset_names()) or "none"
-        raise MappingError(f"{where}no preset named {name!r} (presets: {known})") from None
+        hint = did_you_mean(name, preset_names(), quote="'")
+        raise MappingError(f"{where}no preset named {name!r}{hint} (presets: {known})") from None
 
 
 def load_preset(name: str) -> Mapping:
