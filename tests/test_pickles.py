@@ -70,9 +70,16 @@ def test_conversion_is_exact_and_copies_in_the_kernel(tmp_path: Path) -> None:
 
 
 def test_training_checkpoints_keep_weights_one_level_down(tmp_path: Path) -> None:
-    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3}, tmp_path / "last.pt")
+    optimizer = {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.1}]}
+    weights = {"w": torch.arange(4.0)}
+    torch.save({"optimizer": optimizer, "model": weights, "epoch": 3}, tmp_path / "last.pt")
     with Checkpoint.open(tmp_path / "last.pt") as ckpt:
         assert list(ckpt.tensors) == ["w"]
+        # The optimizer's storages sit in the archive too; the weights are still byte ranges.
+        assert ckpt.has_range("w")
+        loc = ckpt.location("w")
+        raw = (tmp_path / "last.pt").read_bytes()[loc.offset : loc.offset + loc.length]
+        assert raw == weights["w"].numpy().tobytes()
 
 
 def _save_legacy(path: Path) -> None:

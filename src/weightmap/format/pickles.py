@@ -191,15 +191,18 @@ def _storage_offsets(
         st = t.untyped_storage()
         if st.nbytes():
             ptrs[st.data_ptr()] = st.nbytes()
-    spans = sorted((start, size) for start, size in members.values() if size)
-    found = sorted(ptrs.items())
-    if len(found) != len(spans) or not found:
+    sizes = {start: size for start, size in members.values() if size}
+    if not ptrs or not sizes:
         return None
-    base = found[0][0] - spans[0][0]
-    for (ptr, nbytes), (start, size) in zip(found, spans, strict=True):
-        if ptr - base != start or nbytes > size:
-            return None
-    return {ptr: ptr - base for ptr, _ in found}
+    # The mapping's start is the lowest storage's address minus its member's offset; which
+    # member that is, is not known (storages of an ignored optimizer may come first), so each
+    # is tried, and only a start under which every storage is a member of its size is taken.
+    lowest = min(ptrs)
+    for first in sorted(sizes):
+        base = lowest - first
+        if all(sizes.get(ptr - base, -1) >= nbytes for ptr, nbytes in ptrs.items()):
+            return {ptr: ptr - base for ptr in ptrs}
+    return None
 
 
 def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
