@@ -190,3 +190,37 @@ def test_config_from_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"reads its config from params\.json"):
         weightmap.compile(tmp_path, mapping='weightmap 1\nconfig from "params.json"\nkeep "a"\n')
     assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_damaged_archives_are_refused_with_our_errors(tmp_path: Path) -> None:
+    """Bytes flipped, files cut short or spliced: a valid checkpoint or a CheckpointError,
+    never another exception."""
+    import random
+    import warnings
+
+    torch.save(
+        {"a": torch.arange(10.0), "b": torch.ones(3, 4, dtype=torch.bfloat16)}, tmp_path / "o"
+    )
+    original = (tmp_path / "o").read_bytes()
+    rng = random.Random(0)
+    target = tmp_path / "model.pt"
+    for _ in range(300):
+        data = bytearray(original)
+        kind = rng.random()
+        if kind < 0.5:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif kind < 0.8:
+            data = data[: rng.randrange(len(data))]
+        else:
+            at = rng.randrange(len(data))
+            data[at:at] = rng.randbytes(rng.randint(1, 50))
+        target.write_bytes(bytes(data))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Checkpoint.open(target) as ckpt:
+                    for name in ckpt:
+                        ckpt.view(name).sum()
+        except CheckpointError:
+            pass

@@ -91,8 +91,11 @@ def _torch_dtypes() -> dict[Any, str]:
 
 
 def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
-    """``{key: (data offset, size)}`` of the storage members, and the byteorder record."""
+    """``{key: (data offset, size)}`` of the storage members, and the byteorder record
+    (nothing for a file that is no zip archive: loading it says what it is)."""
     try:
+        if not zipfile.is_zipfile(path):
+            return {}, None
         with zipfile.ZipFile(path) as z, path.open("rb") as f:
             infos = z.infolist()
             pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
@@ -120,8 +123,18 @@ def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
                 start = info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
                 members[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
             return members, byteorder
-    except (zipfile.BadZipFile, struct.error, OSError) as err:
-        raise _fail(path, f"is a damaged zip archive ({err})") from None
+    except CheckpointError:
+        raise
+    except (
+        zipfile.BadZipFile,
+        struct.error,
+        OSError,
+        ValueError,
+        NotImplementedError,
+        EOFError,
+    ) as err:
+        # ValueError covers UnicodeDecodeError (a damaged member name).
+        raise _fail(path, f"is a damaged zip archive ({type(err).__name__}: {err})") from None
 
 
 def _load(path: Path) -> Any:
@@ -153,8 +166,8 @@ def _load(path: Path) -> Any:
             "state dict alone (torch.save(model.state_dict(), ...) or safetensors' save_file)",
             "pickle-code",
         ) from None
-    except RuntimeError as err:
-        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    except Exception as err:  # a damaged archive makes torch raise anything; none may leak
+        text = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         if "TorchScript" in text:
             text = "a TorchScript archive, not a state dict; save model.state_dict() instead"
         raise _fail(path, f"cannot be read as a PyTorch checkpoint: {text}") from None
@@ -213,7 +226,7 @@ def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, t
         st = p.stat()
     except FileNotFoundError:
         raise _fail(p, "file does not exist", "missing") from None
-    members, byteorder = _members(p) if zipfile.is_zipfile(p) else ({}, None)
+    members, byteorder = _members(p)
     tensors = _state_dict(p, _load(p))
     if byteorder not in (None, b"little"):
         raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
