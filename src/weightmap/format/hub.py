@@ -24,7 +24,14 @@ from typing import Any
 from weightmap.errors import CheckpointError
 from weightmap.format.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from weightmap.format.sidefiles import FileSpec, FolderFiles, bad_file_name, replaced_reason
+from weightmap.format.sidefiles import (
+    MAX_DEPTH,
+    MAX_SIDE_FILES,
+    FileSpec,
+    FolderFiles,
+    bad_file_name,
+    replaced_reason,
+)
 from weightmap.format.text import read_json_file
 
 __all__ = ["HubRepo", "looks_like_repo_id"]
@@ -236,9 +243,18 @@ class HubRepo:
 
     def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
         """The repository's side files (``format/sidefiles.py`` says which), not yet fetched."""
+        if len(files) > MAX_SIDE_FILES:
+            raise self._fail(
+                f"the repository holds {len(files):,} files, more than the {MAX_SIDE_FILES:,} a "
+                "conversion carries; to convert the weights alone, turn side files off "
+                "(--no-side-files, side_files=False)",
+                "too-many-files",
+            )
         kept = [
             FileSpec(name, size)
             for name, size in sorted(files.items())
-            if replaced_reason(name, config_name) is None and bad_file_name(name) is None
+            if replaced_reason(name, config_name) is None
+            and bad_file_name(name) is None
+            and name.count("/") < MAX_DEPTH
         ]
         return FolderFiles(tuple(kept))

@@ -33,6 +33,7 @@ from weightmap.errors import CheckpointError, ExecutionError
 from weightmap.format.layout import CONFIG_NAME
 
 __all__ = [
+    "MAX_DEPTH",
     "MAX_SIDE_FILES",
     "WEIGHT_SUFFIXES",
     "FileSpec",
