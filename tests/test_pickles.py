@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import weightmap
 from weightmap.errors import CheckpointError
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.diff import diff_checkpoints
 
 KEEP_ALL = "weightmap 1\nunmatched keep\n"
 
@@ -67,6 +68,12 @@ def test_conversion_is_exact_and_copies_in_the_kernel(tmp_path: Path) -> None:
         assert torch.equal(out[name], state[name]), name
     # Everything but the strided tensor went through copy_file_range.
     assert result.bytes_written - result.bytes_copied == state["transposed"].nbytes
+    # diff reads the strided tensor through its view.
+    with Checkpoint.open(tmp_path / "in") as a, Checkpoint.open(tmp_path / "in") as b:
+        assert diff_checkpoints(a, b).equal == len(state)
+    plain = weightmap.remap(tmp_path / "in", tmp_path / "same", mapping=KEEP_ALL)
+    with Checkpoint.open(tmp_path / "in") as a, Checkpoint.open(tmp_path / "same") as b:
+        assert diff_checkpoints(a, b).same and plain.bytes_written
 
 
 def test_training_checkpoints_keep_weights_one_level_down(tmp_path: Path) -> None:
