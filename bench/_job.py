@@ -159,6 +159,36 @@ class FsyncTimer:
                 self.seconds += time.perf_counter() - t0
 
 
+class StageTimer:
+    """Times reading the checkpoint (headers, index) and compiling the plan inside remap."""
+
+    def __init__(self) -> None:
+        import weightmap.api as api
+        from weightmap.format.checkpoint import Checkpoint
+
+        self.open = 0.0
+        self.compile = 0.0
+        real_open = Checkpoint.open.__func__  # type: ignore[attr-defined]
+        real_compile = api.compile_plan
+
+        def timed_open(cls: Any, path: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_open(cls, path)
+            finally:
+                self.open += time.perf_counter() - t0
+
+        def timed_compile(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real_compile(*a, **k)
+            finally:
+                self.compile += time.perf_counter() - t0
+
+        Checkpoint.open = classmethod(timed_open)  # type: ignore[method-assign,assignment]
+        api.compile_plan = timed_compile  # type: ignore[assignment]
+
+
 def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
     if args.torch:
         # A computing plan needs torch; import it before the clock, as the naive script does.
@@ -170,12 +200,17 @@ def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
     timer = FsyncTimer()
     os.fsync = timer
     parser = ParserTimer()
+    stages = StageTimer()
 
     def op() -> dict[str, Any]:
         result = weightmap.remap(args.src, args.dst, progress=False, **source)
         return {
+            "module": weightmap.__file__,
+            "open": stages.open,
+            "compile": stages.compile,
             "bytes_written": result.bytes_written,
             "bytes_copied": result.bytes_copied,
+            "bytes_cloned": getattr(result, "bytes_cloned", 0),
             "fsync": timer.seconds,
             "parser": parser.seconds,
             "torch_imported": "torch" in sys.modules,

@@ -190,7 +190,20 @@ def write_checkpoint(
 ) -> int:
     """A one-file safetensors checkpoint (and config.json); returns the file's size."""
     folder.mkdir(parents=True)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    size = _write_file(folder / "model.safetensors", tensors, {"format": "pt"}, filler)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return size
+
+
+def _write_file(
+    path: Path,
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    metadata: dict[str, str],
+    filler: Filler,
+) -> int:
+    """One safetensors file, tensors in the given order; returns its size."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     position = 0
     for name, (dtype, shape) in tensors.items():
         end = position + _nbytes(dtype, shape)
@@ -198,7 +211,6 @@ def write_checkpoint(
         position = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    path = folder / "model.safetensors"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, struct.pack("<Q", len(text)) + text)
@@ -207,8 +219,6 @@ def write_checkpoint(
         os.fsync(fd)
     finally:
         os.close(fd)
-    if config is not None:
-        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path.stat().st_size
 
 
@@ -234,3 +244,48 @@ def warm(folder: Path) -> None:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
+
+
+# A MoE-shaped checkpoint of many small tensors: 48 layers in 48 shards, 388 tensors each
+# (126 routed experts and one shared expert of 3 projections, q/k/v/o, the router, two norms).
+MOE_LAYERS = 48
+MOE_EXPERTS = 126
+MOE_HIDDEN = 256
+MOE_INTER = 87
+MOE_RENAME = """weightmap 1
+rename "model.layers.{i:int}.{rest*}" -> "layers.{i}.{rest}"
+"""
+
+
+def moe_layer(i: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (dtype, shape) of layer ``i``, in the order the reference writer stores them."""
+    h, m, p = MOE_HIDDEN, MOE_INTER, f"model.layers.{i}."
+    out: dict[str, tuple[str, tuple[int, ...]]] = {
+        p + "input_layernorm.weight": ("BF16", (h,)),
+        p + "post_attention_layernorm.weight": ("BF16", (h,)),
+        p + "mlp.gate.weight": ("BF16", (MOE_EXPERTS, h)),
+    }
+    for w in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        out[f"{p}self_attn.{w}.weight"] = ("BF16", (h, h))
+    experts = [f"experts.{e}" for e in range(MOE_EXPERTS)] + ["shared_experts"]
+    for e in experts:
+        out[f"{p}mlp.{e}.gate_proj.weight"] = ("BF16", (m, h))
+        out[f"{p}mlp.{e}.up_proj.weight"] = ("BF16", (m, h))
+        out[f"{p}mlp.{e}.down_proj.weight"] = ("BF16", (h, m))
+    return dict(sorted(out.items()))
+
+
+def write_moe_checkpoint(folder: Path, filler: Filler) -> int:
+    """48 shards of one layer each, with an index; returns the total size of the shards."""
+    folder.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(MOE_LAYERS):
+        name = f"model-{i + 1:05d}-of-{MOE_LAYERS:05d}.safetensors"
+        layer = moe_layer(i)
+        total += _write_file(folder / name, layer, {"format": "pt"}, filler)
+        weight_map.update(dict.fromkeys(layer, name))
+    size = sum(_nbytes(d, s) for i in range(MOE_LAYERS) for d, s in moe_layer(i).values())
+    index = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total

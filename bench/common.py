@@ -12,6 +12,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# What run.py itself imports of weightmap (the plans its checks compare with, the defaults the
+# report names) comes from this checkout, as every job's does, whatever else is installed.
+sys.path.insert(0, str(ROOT / "src"))
 GB = 10**9
 MIB = 2**20
 

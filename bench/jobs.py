@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import warm
-from common import HERE, log
+from common import HERE, ROOT, log
 
 JOB = HERE / "_job.py"
 
@@ -50,11 +50,11 @@ class Samples:
 # this process's peak. Jobs are started instead by a small launcher, itself started before
 # anything heavy is imported.
 _LAUNCHER = """
-import json, subprocess, sys, time
+import json, os, subprocess, sys, time
 for line in sys.stdin:
-    argv = json.loads(line)
+    argv, env = json.loads(line)
     t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, check=False)
+    p = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, **env})
     wall = time.perf_counter() - t0
     print(json.dumps({"rc": p.returncode, "out": p.stdout, "err": p.stderr[-4000:],
                       "wall": wall}), flush=True)
@@ -80,9 +80,9 @@ class Launcher:
             text=True,
         )
 
-    def run(self, argv: Sequence[str]) -> dict[str, Any]:
+    def run(self, argv: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(list(argv)) + "\n")
+        self.proc.stdin.write(json.dumps([list(argv), env or {}]) + "\n")
         self.proc.stdin.flush()
         reply: dict[str, Any] = json.loads(self.proc.stdout.readline())
         return reply
@@ -93,19 +93,28 @@ class Launcher:
         self.proc.wait()
 
 
-class Runner:
-    """Jobs run through a launcher, writing into ``workdir/out``; counts the jobs run."""
+# A job's tool name may carry a source tree to import weightmap from: "before" runs the
+# commit given as --baseline. Every other job imports this checkout's src/.
+SOURCES: dict[str, Path] = {}
 
-    def __init__(self, workdir: Path, launcher: Launcher) -> None:
+
+class Runner:
+    """Jobs run through a launcher, writing into ``out`` (default ``workdir/out``); counts
+    the jobs run."""
+
+    def __init__(self, workdir: Path, launcher: Launcher, out: Path | None = None) -> None:
         self.workdir = workdir
-        self.out = workdir / "out"
+        self.out = workdir / "out" if out is None else out
         self.launcher = launcher
         self.jobs = 0
 
-    def job(self, args: Sequence[str], *, drop_caches: bool = False) -> dict[str, Any]:
+    def job(
+        self, args: Sequence[str], *, drop_caches: bool = False, tool: str = ""
+    ) -> dict[str, Any]:
         if drop_caches:
             drop_page_cache()
-        reply = self.launcher.run([sys.executable, str(JOB), *args])
+        src = SOURCES.get(tool, ROOT / "src")
+        reply = self.launcher.run([sys.executable, str(JOB), *args], {"PYTHONPATH": str(src)})
         if reply["rc"] != 0:
             rc = reply["rc"]
             what = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
@@ -113,6 +122,9 @@ class Runner:
             raise JobFailed(f"{args[0]} {args[-1]}: {what}; {tail[0]}".strip("; "))
         result: dict[str, Any] = json.loads(reply["out"].strip().splitlines()[-1])
         result["process"] = reply["wall"]
+        module = result.get("module")
+        if module is not None and not Path(module).is_relative_to(src):
+            raise SystemExit(f"{tool or args[0]} imported weightmap from {module}, not {src}")
         self.jobs += 1
         return result
 
@@ -130,8 +142,13 @@ class Runner:
         *,
         check: Callable[[str, Path], None] | None = None,
         cold: bool = False,
+        probe: Callable[[Path], dict[str, Any]] | None = None,
     ) -> dict[str, Samples]:
-        """Run every tool ``repeat`` times, interleaved and rotated, into ``self.out``."""
+        """Run every tool ``repeat`` times, interleaved and rotated, into ``self.out``.
+
+        ``probe(out)`` (untimed, after a sync) adds figures about each run's output, such as
+        the disk space it took; ``space`` is the growth of the filesystem's used bytes.
+        """
         inputs = list(inputs)
         samples = {name: Samples() for name in tools}
         names = list(tools)
@@ -141,7 +158,7 @@ class Runner:
             for name in names:
                 self.clean()
                 try:
-                    self.job(tools[name]())
+                    self.job(tools[name](), tool=name)
                 except JobFailed as exc:
                     log(f"{name} (warm-up) failed: {exc.reason}")
         for rep in range(repeat):
@@ -151,8 +168,9 @@ class Runner:
                 if not cold:
                     for folder in inputs:
                         warm(folder)
+                used = used_bytes(self.out.parent) if probe is not None else 0
                 try:
-                    result = self.job(tools[name](), drop_caches=cold)
+                    result = self.job(tools[name](), drop_caches=cold, tool=name)
                 except JobFailed as exc:
                     # Recorded and reported (a naive run may be killed for memory at 4.3 GB).
                     log(f"{name} failed: {exc.reason}")
@@ -165,9 +183,19 @@ class Runner:
                         log(f"{name}: wrong output: {exc}")
                         samples[name].failures.append(f"wrong output: {exc}")
                         continue
+                if probe is not None:
+                    os.sync()
+                    result["space"] = used_bytes(self.out.parent) - used
+                    result.update(probe(self.out))
                 samples[name].runs.append(result)
         self.clean()
         return samples
+
+
+def used_bytes(folder: Path) -> int:
+    """Bytes in use on ``folder``'s filesystem (``df``)."""
+    st = os.statvfs(folder)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def drop_page_cache() -> None:

@@ -33,7 +33,7 @@ from checkpoints import (
     write_checkpoint,
 )
 from common import HERE, ROOT, log
-from jobs import Runner, Samples
+from jobs import SOURCES, Runner, Samples
 
 COMPILE_BENCH = HERE / "bench_compile.py"
 
@@ -127,10 +127,16 @@ def _rename_tools(
     out = str(runner.out)
     return {
         "weightmap": _fixed(["weightmap", str(src), out, *rename_args]),
+        **_before(["weightmap", str(src), out, *rename_args]),
         "naive": _fixed(["naive", str(src), out, "rename"]),
         "cp": _fixed(["cp", str(src), out]),
         "cp+fsync": _fixed(["cp", str(src), out, "--fsync"]),
     }
+
+
+def _before(args: list[str]) -> dict[str, Callable[[], list[str]]]:
+    """The same weightmap job at the --baseline commit, when one was given."""
+    return {"before": _fixed(args)} if "before" in SOURCES else {}
 
 
 def _measure_inplace(
@@ -158,7 +164,11 @@ def _measure_cast(
     # weightmap's job imports torch before the clock starts, as the naive script does.
     wm_args = ["weightmap", str(src), out, "--mapping", str(mapping), "--torch"]
     return runner.compare(
-        {"weightmap": _fixed(wm_args), "naive": _fixed(["naive", str(src), out, naive_op])},
+        {
+            "weightmap": _fixed(wm_args),
+            **_before(wm_args),
+            "naive": _fixed(["naive", str(src), out, naive_op]),
+        },
         [src],
         repeat,
         check=checker(expect_names(src, mapping_text, None)),

@@ -27,6 +27,8 @@ from figures import table
 from floors import evaluate_floors
 from growth import growth
 from jobs import Samples, dirty_ratios
+from limit_tables import cow_section, many_section
+from limits import CowResults, LimitResult
 from measure import OpResult, SizeResult
 from tables import cast_section, cold_section, inplace_section, ops_section, rename_section
 
@@ -42,8 +44,11 @@ def render(
     cold_note: str,
     load: tuple[float, float],
     machine_lines: list[str],
+    many: LimitResult | None = None,
+    cow: CowResults | None = None,
 ) -> str:
     """The whole document, ready to write to docs/benchmarks.md."""
+    limits = ([many] if many else []) + (cow.results if cow else [])
     lines = [
         *_intro(command, seconds, load, repeat_note),
         *_machine_section(machine_lines),
@@ -53,10 +58,12 @@ def render(
         *inplace_section(sizes),
         *cast_section(sizes),
         *ops_section(ops),
+        *many_section(many, cow),
+        *cow_section(cow),
         *_growth_section(sizes),
-        *_floors_section(sizes),
-        *_failures_section(sizes, ops),
-        *_every_run_section(sizes, ops),
+        *_floors_section(sizes, many, cow),
+        *_failures_section(sizes, ops, limits),
+        *_every_run_section(sizes, ops, limits),
         *_compile_section(compile_text),
     ]
     return "\n".join(lines)
@@ -93,6 +100,8 @@ def machine(workdir: Path) -> list[str]:
     import safetensors
     import torch
 
+    from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES
+
     with open("/proc/meminfo") as f:
         info = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
     mem, swap = info["MemTotal"], info.get("SwapTotal", 0)
@@ -112,8 +121,8 @@ def machine(workdir: Path) -> list[str]:
         f"Linux {platform.machine()}.",
         f"- weightmap at commit {commit or 'unknown'}"
         + (" (with uncommitted changes under src/)" if dirty else "")
-        + "; writer threads: the default (one per core, at most 8); chunk budget: the default"
-        " 64 MiB.",
+        + "; writer threads: the default (one per core, at most 8); chunk budget: the default "
+        f"{DEFAULT_CHUNK_BYTES // MIB} MiB over all threads.",
     ]
 
 
@@ -175,6 +184,9 @@ def _method_tools(rename_kind: str) -> list[str]:
         "into anonymous (private) and file-backed memory, shown as *(anon / file)*. A fresh "
         "process that imports torch is at about 220 MiB before doing anything; weightmap's "
         "rename path does not import torch.",
+        "- Every weightmap job imports this checkout's `src/` (PYTHONPATH, checked in each "
+        "job); a **before** column runs the commit given as `--baseline` the same way, side "
+        "by side with the others, to show what a change did.",
         "- weightmap builds the tables of its rule-language parser once and keeps them in a "
         "per-user cache (`~/.cache/weightmap`); "
         + (
@@ -200,20 +212,24 @@ def _growth_section(sizes: list[SizeResult]) -> list[str]:
     return ["## How time and memory grow with size", "", *growth(sizes), ""]
 
 
-def _floors_section(sizes: list[SizeResult]) -> list[str]:
+def _floors_section(
+    sizes: list[SizeResult], many: LimitResult | None, cow: CowResults | None
+) -> list[str]:
     rows = [
         [f.what, "met" if f.met else "**not met**", f.figure, f.cause or ""]
-        for f in evaluate_floors(sizes)
+        for f in evaluate_floors(sizes, many, cow)
     ]
     return ["## Floors", "", *table(["floor", "status", "measured", "cause"], rows), ""]
 
 
-def _failures_section(sizes: list[SizeResult], ops: list[OpResult]) -> list[str]:
+def _failures_section(
+    sizes: list[SizeResult], ops: list[OpResult], limits: list[LimitResult]
+) -> list[str]:
     """Only where some run failed: which tool, how often, and the first reason."""
     failures = [
         f"- {label}: {tool} failed {len(samples.failures)} of "
         f"{len(samples.failures) + len(samples.runs)} runs ({samples.failures[0]})"
-        for label, group in _groups(sizes, ops)
+        for label, group in _groups(sizes, ops, limits)
         for tool, samples in group.items()
         if samples.failures
     ]
@@ -229,11 +245,13 @@ def _failures_section(sizes: list[SizeResult], ops: list[OpResult]) -> list[str]
     ]
 
 
-def _every_run_section(sizes: list[SizeResult], ops: list[OpResult]) -> list[str]:
+def _every_run_section(
+    sizes: list[SizeResult], ops: list[OpResult], limits: list[LimitResult]
+) -> list[str]:
     """The seconds of every run, so that the spread behind each median can be seen."""
     rows = [
         [*label.split(": ", 1), tool, ", ".join(f"{x['seconds']:.3f}" for x in samples.runs)]
-        for label, group in _groups(sizes, ops)
+        for label, group in _groups(sizes, ops, limits)
         for tool, samples in group.items()
     ]
     return [
@@ -272,7 +290,9 @@ def _compile_section(compile_text: str | None) -> list[str]:
     ]
 
 
-def _groups(sizes: list[SizeResult], ops: list[OpResult]) -> list[tuple[str, dict[str, Samples]]]:
+def _groups(
+    sizes: list[SizeResult], ops: list[OpResult], limits: list[LimitResult]
+) -> list[tuple[str, dict[str, Samples]]]:
     """Every measurement as ``("<size>: <what>", {tool: samples})``, in the order they ran."""
     out: list[tuple[str, dict[str, Samples]]] = []
     for r in sizes:
@@ -284,4 +304,9 @@ def _groups(sizes: list[SizeResult], ops: list[OpResult]) -> list[tuple[str, dic
         out.append((f"{size}: bf16 -> f32", r.to_f32))
         out.append((f"{size}: f32 -> bf16", r.to_bf16))
     out += [(f"{o.nbytes / MIB:.0f} MiB: {o.name}", o.samples) for o in ops]
+    out += [
+        (f"{r.nbytes / GB:.2f} GB: {'many tensors' if r.what == 'many' else PRESET}, {r.fs}",
+         r.samples)
+        for r in limits
+    ]  # fmt: skip
     return out

@@ -3,6 +3,7 @@
     python bench/run.py                      # the full run (sizes 0.5, 1, 2, 4.3 GB)
     python bench/run.py --quick              # one small size, 3 runs, into /tmp
     python bench/run.py --sizes 1,2 --repeat 5 --workdir /scratch --out /tmp/b.md
+    python bench/run.py --baseline 55a6c2b   # add "before" columns: weightmap at that commit
 
 Synthetic checkpoints with the tensor names of a speculators EAGLE-3 drafter and the shapes of
 the Kimi-K2.5 drafter are built in a scratch folder (deleted afterwards). Every measured
@@ -22,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +33,7 @@ from pathlib import Path
 from checkpoints import (
     CAST_TO_BF16,
     CAST_TO_F32,
+    MOE_RENAME,
     RENAME_BACK,
     RENAME_FORWARD,
     SPLIT,
@@ -38,7 +41,8 @@ from checkpoints import (
     Filler,
 )
 from common import ROOT, log
-from jobs import Launcher, Runner, can_drop_caches
+from jobs import SOURCES, Launcher, Runner, can_drop_caches
+from limits import CowResults, LimitResult, measure_cow, measure_many
 from measure import OpResult, SizeResult, compile_speed, measure_ops, measure_size, rename_source
 from report import machine, render
 
@@ -52,6 +56,7 @@ MAPPINGS = {
     "to_bf16": CAST_TO_BF16,
     "split": SPLIT,
     "transpose": TRANSPOSE,
+    "moe": MOE_RENAME,
 }
 
 
@@ -67,6 +72,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="scratch parent folder")
     parser.add_argument("--out", type=Path, default=None, help=f"default: {DEFAULT_OUT}")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache rows")
+    parser.add_argument(
+        "--no-limits",
+        action="store_true",
+        help="skip the many-tensor checkpoint and the copy-on-write filesystems",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="COMMIT",
+        help='also run weightmap at this commit ("before" columns), side by side',
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         # A quick run is a smoke test: it must not overwrite the committed document.
@@ -89,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     log(f"scratch folder {workdir}")
     cold_ok = not args.quick and not args.no_cold and can_drop_caches()
     cold_note = _cold_note(args, cold_ok)
+    many: LimitResult | None = None
+    cow: CowResults | None = None
     try:
+        if args.baseline:
+            SOURCES["before"] = _checkout(args.baseline, workdir)
         paths = _write_mappings(workdir)
         machine_lines = machine(workdir)
         runner = Runner(workdir, launcher)
@@ -101,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             for size in sizes
         ]
         ops = measure_ops(runner, 3 if args.quick else int(args.repeat or 7), paths, filler)
+        if not args.no_limits:
+            repeat = _repeat(args, 1)
+            many = measure_many(runner, repeat, paths["moe"], filler, "ext4", False)
+            cow = measure_cow(launcher, workdir, repeat, paths["moe"], filler, max(sizes))
     finally:
         launcher.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -117,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         cold_note,
         (load_start, os.getloadavg()[0]),
         machine_lines,
+        many,
+        cow,
     )
     args.out.write_text(text)
-    _write_raw(results, ops)
+    _write_raw(results, ops, many, cow)
     log(f"wrote {args.out} in {seconds / 60:.1f} min ({runner.jobs} jobs)")
 
 
@@ -153,6 +179,21 @@ def _cold_note(args: argparse.Namespace, cold_ok: bool) -> str:
     )
 
 
+def _checkout(commit: str, workdir: Path) -> Path:
+    """This repository's ``src/`` (and its package data) at ``commit``, unpacked in the
+    scratch folder."""
+    target = workdir / f"baseline-{commit}"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "src", "grammars", "mappings"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    log(f"baseline: {commit} unpacked in {target}")
+    return target / "src"
+
+
 def _write_mappings(workdir: Path) -> dict[str, Path]:
     """Each mapping text as ``<key>.wm`` in the scratch folder, where the jobs read it."""
     paths = {}
@@ -171,12 +212,21 @@ def _command(argv: list[str] | None) -> str:
     )
 
 
-def _write_raw(results: list[SizeResult], ops: list[OpResult]) -> None:
+def _write_raw(
+    results: list[SizeResult],
+    ops: list[OpResult],
+    many: LimitResult | None,
+    cow: CowResults | None,
+) -> None:
     """Every sample of the run as JSON, for a look behind the medians."""
     raw = Path(tempfile.gettempdir()) / "weightmap-bench-raw.json"
-    raw.write_text(
-        json.dumps({"sizes": [asdict(r) for r in results], "ops": [asdict(o) for o in ops]})
-    )
+    doc = {
+        "sizes": [asdict(r) for r in results],
+        "ops": [asdict(o) for o in ops],
+        "many": asdict(many) if many else None,
+        "cow": asdict(cow) if cow else None,
+    }
+    raw.write_text(json.dumps(doc))
     log(f"raw samples in {raw}")
 
 

@@ -72,6 +72,21 @@ _OPS_HEADER = (
 )
 
 
+def _with_before(header: tuple[str, ...], after: str, sizes: list[SizeResult]) -> list[str]:
+    """The column headings, with a **before** column after ``after`` when one was measured."""
+    out = list(header)
+    if any("before" in r.rename for r in sizes):
+        out.insert(out.index(after) + 1, "before")
+    return out
+
+
+_BEFORE_NOTE = [
+    "**before** is weightmap at the commit given as `--baseline` (the figures this change is "
+    "measured against), run side by side with the others.",
+    "",
+]
+
+
 def rename_section(sizes: list[SizeResult]) -> list[str]:
     """Section 1: the out-of-place rename's times against naive and cp, then peak RSS."""
     rows = []
@@ -80,9 +95,11 @@ def rename_section(sizes: list[SizeResult]) -> list[str]:
         wm, naive, cp, cpf = (
             s[k].median("seconds") for k in ("weightmap", "naive", "cp", "cp+fsync")
         )
+        before = [fmt_s(s["before"].median("seconds"))] if "before" in s else []
         rows.append([
             f"{r.nbytes / GB:.2f} GB",
             fmt_s(wm),
+            *before,
             fmt_s(s["weightmap"].median("fsync")),
             fmt_s(s["weightmap"].median("parser")),
             fmt_s(naive),
@@ -104,7 +121,8 @@ def rename_section(sizes: list[SizeResult]) -> list[str]:
     return [
         "## 1. Rename only, into a new folder",
         "",
-        *table(_RENAME_HEADER, rows),
+        *(_BEFORE_NOTE if any("before" in r.rename for r in sizes) else []),
+        *table(_with_before(_RENAME_HEADER, "weightmap", sizes), rows),
         "",
         "Peak RSS (anon / file-backed, sampled):",
         "",
@@ -201,6 +219,9 @@ def cast_section(sizes: list[SizeResult]) -> list[str]:
     for r in sizes:
         for label, s, first in (("bf16 -> f32", r.to_f32, True), ("f32 -> bf16", r.to_bf16, False)):
             wm, naive = s["weightmap"].median("seconds"), s["naive"].median("seconds")
+            before = (
+                [fmt_s(s["before"].median("seconds")), _rss(s["before"])] if "before" in s else []
+            )
             rows.append([
                 f"{r.nbytes / GB:.2f} GB" if first else "",
                 label,
@@ -211,6 +232,7 @@ def cast_section(sizes: list[SizeResult]) -> list[str]:
                 ratio(naive, wm),
                 _rss(s["weightmap"]),
                 _rss(s["naive"]),
+                *before,
             ])  # fmt: skip
     return [
         "## 3. Casting the whole checkpoint",
@@ -220,7 +242,12 @@ def cast_section(sizes: list[SizeResult]) -> list[str]:
         "`load_file` and `save_file`. weightmap's job imports torch before the clock starts, as "
         "the naive one does.",
         "",
-        *table(_CAST_HEADER, rows),
+        *table(
+            [*_CAST_HEADER, "before", "before peak RSS"]
+            if any("before" in r.to_f32 for r in sizes)
+            else _CAST_HEADER,
+            rows,
+        ),
         "",
     ]
 

@@ -36,7 +36,19 @@ from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec, numel
 from weightmap.format.header import MAX_HEADER_SIZE
 from weightmap.format.layout import CONFIG_NAME
 from weightmap.language.resources import read_text
-from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Cast,
+    Concat,
+    Node,
+    Permute,
+    Quantize,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+)
 
 # ---- language programs ---------------------------------------------------------------------------
 # Source texts drawn from the grammar itself, and the headers and config they compile against.
@@ -129,8 +141,13 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
     """Up to ``depth`` slice/concat/stack/permute/reshape/cast nodes stacked on ``base``."""
     node = base
     for _ in range(draw(st.integers(0, depth))):
-        op = draw(st.sampled_from(["slice", "concat", "stack", "permute", "reshape", "cast"]))
+        op = draw(
+            st.sampled_from(
+                ["slice", "concat", "stack", "permute", "reshape", "cast", "arith", "quantize"]
+            )
+        )
         rank = len(node.shape)
+        floating = node.dtype in FLOATS
         if op == "slice" and rank and all(node.shape):
             dim = draw(st.integers(0, rank - 1))
             size = node.shape[dim]
@@ -177,7 +194,31 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
             else:
                 target = draw(st.sampled_from(["U8", "F32"]))
             node = Cast(src=node, dtype=target, shape=node.shape)
+        elif op == "arith" and floating:
+            node = _arith(draw, node)
+        elif op == "quantize" and floating and rank >= 2 and all(node.shape):
+            block = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
+            fp8 = draw(st.sampled_from(["F8_E4M3", "F8_E5M2"]))
+            if draw(st.booleans()):
+                node = Quantize(src=node, block=block, part="values", fp8=fp8, dtype=fp8,
+                                shape=node.shape)  # fmt: skip
+            else:
+                grid = (*node.shape[:-2], -(-node.shape[-2] // block[0]),
+                        -(-node.shape[-1] // block[1]))  # fmt: skip
+                node = Quantize(src=node, block=block, part="scales", fp8=fp8, dtype="F32",
+                                shape=grid)  # fmt: skip
     return node
+
+
+def _arith(draw: st.DrawFn, node: Node) -> Node:
+    """Constant or elementwise (the node with itself) arithmetic, in a drawn compute dtype."""
+    op = draw(st.sampled_from(["add", "mul"]))
+    compute = draw(st.sampled_from(["F32", "F64", "BF16", "F16"]))
+    out = draw(st.sampled_from(FLOATS))
+    if draw(st.booleans()):
+        value = draw(st.sampled_from([1, -1, 0.5, 3.25, 1e-3]))
+        return Arith(src=node, op=op, value=value, compute=compute, dtype=out, shape=node.shape)
+    return Binary(a=node, b=node, op=op, block=(), compute=compute, dtype=out, shape=node.shape)
 
 
 @st.composite
@@ -784,6 +825,9 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
         st.sampled_from(
             [
                 "rename",
+                "add",
+                "dequant",
+                "quantize",
                 "split",
                 "chunk",
                 "merge",
@@ -802,6 +846,8 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
         return {
             f"{p}.layers.0.w": t
         }, f'rename "{p}.layers.{{n:int}}.{{r*}}" -> "{p}.mid.{{n}}.{{r}}"'
+    if op in ("add", "dequant", "quantize"):
+        return _value_block(draw, p, shape, code)
     if op == "split":
         sizes = _parts(draw, shape[d])
         outs = ", ".join(f'"{p}.part{i}"' for i in range(len(sizes)))
@@ -874,6 +920,36 @@ def _chain(draw: st.DrawFn, p: str) -> list[str]:
             target = draw(st.sampled_from(["f32", "bf16", "f16", "f64"]))
             rules.append(f'cast? "{p}.**" to {target} where dtype in [f16, bf16, f32, f64]')
     return rules
+
+
+def _value_block(
+    draw: st.DrawFn, p: str, shape: tuple[int, ...], code: str
+) -> tuple[dict[str, torch.Tensor], str]:
+    """add/mul by a constant, a block-scaled product (dequantization), or a quantization."""
+    fcode = code if code in FLOAT_ALIASES else "BF16"
+    x = draw(tensor(shape, fcode))
+    kind = draw(st.sampled_from(["const", "dequant", "quantize"]))
+    if kind == "const":
+        op = draw(st.sampled_from(["add", "mul"]))
+        compute = draw(st.sampled_from(["", " in bf16", " in f64"]))
+        return {f"{p}.x": x}, f'{op} "{p}.x" 0.75{compute} -> "{p}.y"'
+    if len(shape) < 2:
+        shape = (*shape, 3)
+        x = draw(tensor(shape, fcode))
+    block = [draw(st.integers(1, 4)), draw(st.integers(1, 4))]
+    if kind == "quantize":
+        return (
+            {f"{p}.l.weight": x},
+            f'quantize "{p}.{{x*}}.weight" to fp8_e4m3 block {block} '
+            f'-> "{p}.{{x}}.q", "{p}.{{x}}.q_scale_inv"',
+        )
+    grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    scale = draw(tensor(grid, "F32"))
+    return (
+        {f"{p}.l.weight": x, f"{p}.l.weight_scale_inv": scale},
+        f'mul "{p}.{{x*}}.weight", "{p}.{{x*}}.weight_scale_inv" block {block} to bf16 '
+        f'-> "{p}.{{x}}.dq"',
+    )
 
 
 @st.composite

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightmap
-from weightmap import MappingError
+from weightmap import ExecutionError, MappingError
 
 from eagle3 import speculators_lib
 from eagle3.layouts import LAYOUTS, Layout, write_layout
@@ -38,9 +38,9 @@ CONTEXT = len(POSITIONS)
 STEPS = 3  # the extend, then two draft steps
 F32_TOL = 2e-5  # absolute, on float32 logits of O(1)
 
-# The Model-Optimizer export has no t2d, which weightmap cannot derive yet: its own tests
-# are below; here it gets the t2d its exporter leaves out, so that everything else is checked.
-WORKING = [name for name in LAYOUTS if name != "modelopt"] + ["modelopt+t2d"]
+# Every layout, the Model-Optimizer export both as it ships (no t2d: the reverse preset derives
+# it) and with the t2d its exporter leaves out.
+WORKING = [*LAYOUTS, "modelopt+t2d"]
 
 
 def _layers_layout(layout: Layout) -> dict[str, Any]:
@@ -176,10 +176,23 @@ def test_speculators_tensors_are_the_source_tensors(
         load_file(str(c.src / "model.safetensors")),
         load_file(str(c.spec / "model.safetensors")),
     )
-    assert {k.replace("midlayer.", "layers.0.") for k in src} == set(out)
+    derived = _derived_t2d(src, out, c.layout)
+    assert {k.replace("midlayer.", "layers.0.") for k in src} | derived == set(out)
     for key, value in src.items():
         got = out[key.replace("midlayer.", "layers.0.")]
         assert got.dtype == value.dtype and torch.equal(got, value), key
+
+
+def _derived_t2d(
+    src: dict[str, torch.Tensor], out: dict[str, torch.Tensor], layout: Layout
+) -> set[str]:
+    """{"t2d"} where the source had d2t only and the conversion derived t2d (checked here)."""
+    if "t2d" in src or "d2t" not in src:
+        return set()
+    expected = torch.zeros(layout.spec.vocab_size, dtype=torch.bool)
+    expected[torch.arange(src["d2t"].numel()) + src["d2t"]] = True
+    assert torch.equal(out["t2d"], expected)
+    return {"t2d"}
 
 
 # -- forward -------------------------------------------------------------------------------
@@ -270,7 +283,8 @@ def test_round_trip(converted: Callable[[str], Converted], name: str) -> None:
         # Model-Optimizer saves no {"format": "pt"} metadata, which the output has.
         rename = "layers.0." if c.layout.spec.fc_norm else "midlayer."
         a, b = load_file(str(src)), load_file(str(back))
-        assert {k.replace("midlayer.", rename) for k in a} == set(b)
+        derived = _derived_t2d(a, b, c.layout)  # the shipped Model-Optimizer export lacks t2d
+        assert {k.replace("midlayer.", rename) for k in a} | derived == set(b)
         assert all(torch.equal(v, b[k.replace("midlayer.", rename)]) for k, v in a.items())
     source_cfg = json.loads((c.src / "config.json").read_text())
     back_cfg = json.loads((c.sglang / "config.json").read_text())
@@ -295,12 +309,6 @@ def test_round_trip(converted: Callable[[str], Converted], name: str) -> None:
 # -- Model-Optimizer: no t2d -------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs a rule-language op that computes t2d from d2t (t2d[i + d2t[i]] = true); "
-    "until then eagle3-speculators refuses a d2t without t2d",
-    raises=MappingError,
-)
 def test_modelopt_t2d_is_derived_from_d2t(tmp_path: Path) -> None:
     layout = LAYOUTS["modelopt"]
     src = write_layout(layout, tmp_path / "src")
@@ -315,13 +323,18 @@ def test_modelopt_t2d_is_derived_from_d2t(tmp_path: Path) -> None:
     assert any("t2d" in w and "derived" in w for w in result.plan.warnings)
 
 
-def test_modelopt_without_t2d_is_refused_with_the_reason(tmp_path: Path) -> None:
+def test_a_d2t_that_does_not_fit_the_vocabulary_is_refused_when_deriving_t2d(
+    tmp_path: Path,
+) -> None:
+    # t2d[i + d2t[i]] must land inside the target vocabulary, once per position.
     layout = LAYOUTS["modelopt"]
     src = write_layout(layout, tmp_path / "src")
-    with pytest.raises(MappingError) as info:
-        weightmap.compile(src, preset="eagle3-speculators", params=layout.params)
-    (problem,) = info.value.problems  # type: ignore[attr-defined]
-    assert "d2t but no t2d" in problem.message and "t2d[i + d2t[i]]" in problem.message
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + layout.spec.vocab_size
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(ExecutionError, match=r"mask positions run from .* outside 0\.\."):
+        weightmap.remap(src, tmp_path / "spec", preset="eagle3-speculators", params=layout.params)
+    assert not (tmp_path / "spec").exists()
 
 
 # -- refusals of what speculators would compute differently ------------------------------------

@@ -446,17 +446,18 @@ def test_an_old_output_that_cannot_be_removed_after_the_swap_is_reported(
 
 
 def _corrupting_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every kernel copy writes one wrong byte into the output (a disk that lies)."""
-    from weightmap.format.writer import CheckpointWriter
+    """Every kernel copy writes one wrong byte into the output (a disk that lies); no clones,
+    so every byte goes through it."""
+    import weightmap.format.writer as writer_mod
 
-    real = CheckpointWriter.copy_range
+    real = writer_mod.copy
 
-    def copy_range(self, name, src_fd, src_offset, length, offset=0):  # type: ignore[no-untyped-def]
-        real(self, name, src_fd, src_offset, length, offset)
-        fd, begin, _ = self.target(name)
-        os.pwrite(fd, bytes([~os.pread(src_fd, 1, src_offset)[0] & 0xFF]), begin + offset)
+    def copy(src_fd: int, src: int, fd: int, dst: int, length: int, what: str) -> None:
+        real(src_fd, src, fd, dst, length, what)
+        os.pwrite(fd, bytes([~os.pread(src_fd, 1, src)[0] & 0xFF]), dst)
 
-    monkeypatch.setattr(CheckpointWriter, "copy_range", copy_range)
+    monkeypatch.setattr(writer_mod, "copy", copy)
+    monkeypatch.setattr(writer_mod, "clone", lambda *args: False)
 
 
 def test_a_verify_failure_leaves_nothing_under_the_final_name(
@@ -1050,9 +1051,14 @@ def test_input_metadata_is_carried_to_the_output(tmp_path: Path) -> None:
     )
     out = tmp_path / "out"
     weightmap.remap(src, out, mapping='weightmap 1\nkeep "**"\n')
-    with safe_open(out / "model.safetensors", "pt") as f:
-        # Keys every shard agrees on are carried; a key the shards disagree on is dropped.
-        assert f.metadata() == {"format": "pt", "origin": "trainer-7"}
+    # A rename keeps the input's shards; every output shard carries the keys all input shards
+    # agree on (a key they disagree on is dropped).
+    with weightmap.Checkpoint.open(out) as ckpt:
+        shards = list(ckpt.files)
+    assert shards
+    for shard in shards:
+        with safe_open(shard, "pt") as f:
+            assert f.metadata() == {"format": "pt", "origin": "trainer-7"}
     # No metadata at all: the output says format pt, as before.
     bare = _with_metadata(tmp_path / "bare", [None])
     weightmap.remap(bare, tmp_path / "out2", mapping='weightmap 1\nkeep "**"\n')

@@ -36,7 +36,7 @@ def test_converted_folder_loads_with_transformers(
         "tokenizer_config.json",
     }
     if weights != "safetensors":
-        assert result.bytes_copied == result.bytes_written  # byte ranges of the zip, in the kernel
+        assert result.bytes_computed == 0  # byte ranges of the zip, moved by the kernel
     shutil.rmtree(src)  # the output folder alone
 
     out = tmp_path / "out"

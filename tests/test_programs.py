@@ -22,7 +22,18 @@ from weightmap.compiler.inverse import invert
 from weightmap.execute.kernels import tensor_bytes
 from weightmap.execute.memory import execute_in_memory
 from weightmap.execute.streaming import execute
+from weightmap.format import layout as layout_mod
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.layout import Layouts
+
+
+@pytest.fixture(params=["clone", "reference"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The writer's layout; the clone layout with a 64-byte block, so that the small
+    generated tensors get the arrangement 4096-byte blocks give larger ones."""
+    if request.param == "clone":
+        monkeypatch.setattr(layout_mod, "CLONE_BLOCK", 64)
+    return str(request.param)
 
 
 @settings(
@@ -35,6 +46,7 @@ from weightmap.format.checkpoint import Checkpoint
 )
 def test_program_streaming_equals_reference(
     tmp_path_factory: pytest.TempPathFactory,
+    layout: Layouts,
     case: tuple[dict[str, torch.Tensor], str],
     chunk: int,
     workers: int,
@@ -45,7 +57,15 @@ def test_program_streaming_equals_reference(
     plan = weightmap.compile(root, mapping=program)
     expected = dict(execute_in_memory(plan, load_file(root / "model.safetensors")))
     with Checkpoint.open(root) as ckpt:
-        execute(plan, ckpt, root / "out", chunk_bytes=chunk, workers=workers, max_shard_size="100B")
+        execute(
+            plan,
+            ckpt,
+            root / "out",
+            chunk_bytes=chunk,
+            workers=workers,
+            max_shard_size="100B",
+            layout=layout,
+        )
     with Checkpoint.open(root / "out") as out:
         assert sorted(out) == sorted(expected), program
         for name, ref in expected.items():

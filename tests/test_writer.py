@@ -98,7 +98,9 @@ def test_sharded_round_trip(tmp_path: Path) -> None:
         "model-00005-of-00005.safetensors",
         "model.safetensors.index.json",
     ]
-    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    text = (tmp_path / "out" / "model.safetensors.index.json").read_text()
+    index = json.loads(text)
+    assert text == json.dumps(index, indent=2, sort_keys=True) + "\n"
     assert index["metadata"]["total_size"] == 10_000
     assert index["weight_map"]["layer.2.w"] == "model-00002-of-00005.safetensors"
     with Checkpoint.open(tmp_path / "out") as ckpt:

@@ -21,8 +21,9 @@ from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.hub import HubRepo, looks_like_repo_id
-from weightmap.format.layout import CONFIG_NAME
+from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.sidefiles import FolderFiles, list_side_files
+from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
@@ -51,6 +52,9 @@ class Result:
     """What :func:`remap` did.
 
     ``paths`` are the files written (or rewritten in place); empty for a dry run.
+    ``bytes_written`` (tensor data, headers aside) is the sum of ``bytes_cloned`` (shared with
+    the input by a copy-on-write filesystem: no data moved, no disk space taken; see
+    docs/safety.md), ``bytes_copied`` (copied by the kernel) and ``bytes_computed``.
     """
 
     plan: Plan
@@ -58,6 +62,8 @@ class Result:
     paths: tuple[Path, ...] = ()
     bytes_written: int = 0
     bytes_copied: int = 0
+    bytes_cloned: int = 0
+    bytes_computed: int = 0
     seconds: float = 0.0
     dry_run: bool = False
     inplace: bool = False
@@ -68,9 +74,15 @@ class Result:
         if self.dry_run:
             return f"dry run: {len(self.plan.outputs)} tensors planned, nothing written"
         where = "in place" if self.inplace else f"into {self.dest}"
+        how = (
+            ""
+            if self.inplace
+            else f" ({human_size(self.bytes_cloned)} cloned, {human_size(self.bytes_copied)} "
+            f"copied, {human_size(self.bytes_computed)} computed)"
+        )
         return (
             f"{len(self.plan.outputs)} tensors, {self.bytes_written:,} bytes {where} in "
-            f"{self.seconds:.2f} s" + (" (verified)" if self.verified else "")
+            f"{self.seconds:.2f} s{how}" + (" (verified)" if self.verified else "")
         )
 
 
@@ -203,6 +215,7 @@ def remap(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     side_files: bool = True,
     on_plan: Callable[[Plan], None] | None = None,
+    layout: Layouts = "clone",
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -226,7 +239,11 @@ def remap(
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
-      memory of computed tensors (default 64 MiB).
+      memory of computed tensors, all threads together (default 64 MiB).
+    - ``layout="clone"`` (default) lays out each output shard so that unchanged bytes keep
+      their input offsets modulo 4096, which a copy-on-write filesystem (XFS, btrfs) can share
+      instead of copying; ``layout="reference"`` writes the bytes ``safetensors.save_file``
+      writes. See docs/safety.md.
 
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
@@ -270,7 +287,16 @@ def remap(
             )
         assert out is not None
         writer, stats = _write(
-            plan, ckpt, out, progress, max_shard_size, overwrite, workers, chunk_bytes, verify
+            plan,
+            ckpt,
+            out,
+            progress,
+            max_shard_size,
+            overwrite,
+            workers,
+            chunk_bytes,
+            verify,
+            layout,
         )
     dest = Path(out)
     return Result(
@@ -280,8 +306,10 @@ def remap(
             *(dest / s.filename for s in writer.shards),
             *(dest / f.name for f in plan.files),
         ),
-        bytes_written=stats.bytes_copied + stats.bytes_computed,
+        bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
+        bytes_cloned=stats.bytes_cloned,
+        bytes_computed=stats.bytes_computed,
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
@@ -315,6 +343,7 @@ def _write(
     workers: int | None,
     chunk_bytes: int,
     checksum: bool,
+    layout: Layouts,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Run the streaming executor with the progress display the caller asked for; the side
     files go into the same temporary folder, before it is committed."""
@@ -347,6 +376,7 @@ def _write(
             progress=tick,
             metadata={"format": "pt", **ckpt.metadata},
             before_commit=check,
+            layout=layout,
         )
     finally:
         close()

@@ -22,8 +22,9 @@ from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, 
 from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, stale_temporaries
 from weightmap.format.diff import diff_checkpoints
-from weightmap.format.layout import JOURNAL_NAME
+from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, strict_json
+from weightmap.format.text import human_size as _human
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
 from weightmap.plan.plan import Plan
@@ -33,15 +34,6 @@ __all__ = ["main"]
 
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2)."""
-
-
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def _params(items: Sequence[str] | None) -> dict[str, Any]:
@@ -136,6 +128,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         workers=args.workers,
         side_files=not args.no_side_files,
         on_plan=show,
+        layout=args.layout,
     )
     if not quiet:
         print(result)
@@ -346,6 +339,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read and check the output")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     p.add_argument("--workers", type=int, default=None, help="writer threads")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="clone",
+        help="clone (default): unchanged bytes keep their input offsets modulo 4096, so a "
+        "copy-on-write filesystem can share them; reference: the bytes safetensors.save_file "
+        "writes",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _side_files_arg(p)
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightmap.compiler.arith import VALUE_OPS, build_value
 from weightmap.compiler.configedit import apply_config_block
 from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
@@ -63,7 +64,8 @@ class _Compiler:
         self.files = files
         self.problems = Problems()
         self.warnings: list[str] = []
-        self._exists: dict[str, bool] = {}
+        self._exists: dict[A.Pattern, bool] = {}
+        self._names: frozenset[str] | None = None
         self.failed_require = False
         self.filter_failed: set[int] = set()
 
@@ -83,10 +85,14 @@ class _Compiler:
     def exists(self, pattern: A.Pattern) -> bool:
         if isinstance(pattern, A.FilePattern):
             return file_exists(None if self.files is None else self.files.files, pattern)
-        if pattern.text not in self._exists:
+        if pattern.is_literal:  # a name (or a pattern whose captures were bound): a lookup
+            if self._names is None:
+                self._names = frozenset(s.name for s in self.inputs)
+            return "".join(pattern.parts) in self._names  # type: ignore[arg-type]
+        if pattern not in self._exists:
             rx = compile_pattern(pattern)
-            self._exists[pattern.text] = any(rx.fullmatch(s.name) for s in self.inputs)
-        return self._exists[pattern.text]
+            self._exists[pattern] = any(rx.fullmatch(s.name) for s in self.inputs)
+        return self._exists[pattern]
 
     # ------------------------------------------------------------ params and statements
 
@@ -157,7 +163,7 @@ class _Compiler:
                 self.warnings.append(f"{st.loc}: {message}")
 
     def check_rule(self, rule: A.Rule) -> bool:
-        for word in (rule.from_dtype, rule.to_dtype):
+        for word in (rule.from_dtype, rule.to_dtype, rule.compute):
             if word is not None and not dtype_known(word):
                 self.report(
                     rule.loc, f"unknown dtype `{word}` (e.g. f32, bf16, f16, fp8_e4m3, i64)"
@@ -268,7 +274,7 @@ def run_rules(
                 ws.pass_on(item, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
-        if rule.op in ("merge", "stack"):
+        if rule.op in ("merge", "stack") or (rule.op in ("add", "mul") and len(rule.patterns) > 1):
             step.group(taken)
         else:
             for item, m in taken:
@@ -318,8 +324,9 @@ class _Step:
             # Fan-out: the source goes on as it is; the copies are new tensors.
             self.ws.pass_on(item, self.r)
         if self.rule.op != "drop":
+            build = build_value if self.rule.op in VALUE_OPS else build_simple
             try:
-                build_simple(self.rule, m, self.scope, self.emit)
+                build(self.rule, m, self.scope, self.emit)
             except LocatedProblem as p:  # shapes, dims, or an output name's template
                 self.report(p.loc, p.message)
         self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")

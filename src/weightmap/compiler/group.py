@@ -1,4 +1,5 @@
-"""merge and stack: several inputs become one output, grouped by their captures.
+"""merge, stack, and add/mul of two tensors: several inputs become one output, grouped by
+their captures.
 
 A group's members are told apart in one of three ways:
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from weightmap.compiler.arith import binary_node
 from weightmap.compiler.ops import (
     Match,
     RuleProblem,
@@ -172,6 +174,8 @@ def build_group(
 
 
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:
+    if rule.op in ("add", "mul"):
+        return binary_node(rule, ordered, scope, caps)
     specs = [m.spec for m in ordered]
     first = specs[0]
     dtypes = {s.dtype for s in specs}

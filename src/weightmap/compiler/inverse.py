@@ -16,7 +16,9 @@ name can be rebuilt) and its operation loses nothing:
 * ``where`` may use captures and params only; requires and warnings are dropped (they speak of
   the forward input); config blocks invert only when they hold nothing but ``move``.
 
-drop, ``unmatched drop``, globs in renamed patterns, set/delete/lift are refused.
+drop, ``unmatched drop``, globs in renamed patterns, set/delete/lift are refused, and so are
+the value rules (add, mul, quantize, mask): they round or lose information, and an inverse
+that only approximately undoes them is said to be one (the fp8 presets), never claimed.
 """
 
 from __future__ import annotations
@@ -169,6 +171,19 @@ def _invert_rule(r: A.Rule) -> A.Rule:
     op, caps = r.op, {c.name: c for p in r.patterns for c in p.captures}
     if op == "drop":
         raise _Refuse("dropped tensors cannot be brought back")
+    if op in ("add", "mul"):
+        raise _Refuse(
+            "arithmetic rounds to its result dtype: undoing it would give values that differ in "
+            "the last bits, so no inverse is claimed (fp8 dequantization: the fp8-quant preset "
+            "re-quantizes, approximately)"
+        )
+    if op == "quantize":
+        raise _Refuse(
+            "quantization loses precision; dequantizing (the fp8-dequant preset) gives values "
+            "within one fp8 step of the originals, not the originals"
+        )
+    if op == "mask":
+        raise _Refuse("a mask cannot give back the positions' order: keep the source instead")
     rep = dataclasses.replace
     if op == "keep":
         return r

@@ -17,7 +17,19 @@ from weightmap.language.expr import compile_expr, compile_template, resolve_dtyp
 from weightmap.language.values import EvalError, Scope, brief
 from weightmap.plan.nodes import Cast, Node, Permute, Reshape, Slice
 
-__all__ = ["FLOAT_CASTS", "INT_CASTS", "Match", "RuleProblem", "build_simple", "check_cast"]
+__all__ = [
+    "FLOAT_CASTS",
+    "INT_CASTS",
+    "Match",
+    "RuleProblem",
+    "as_int",
+    "as_ints",
+    "build_simple",
+    "check_cast",
+    "evaluate",
+    "namer",
+    "output_name",
+]
 
 # Floating types torch converts between (round to nearest even); integer widths likewise.
 FLOAT_CASTS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
@@ -94,19 +106,19 @@ def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node
     s = scope.with_tensor(spec, m.caps)
     op, rank, name = rule.op, len(spec.shape), f"`{spec.name}` {list(spec.shape)}"
     if op in ("keep", "rename"):
-        emit(_name(rule, s), src)
+        emit(output_name(rule, s), src)
     elif op == "copy":
         for t in rule.outputs:
             emit(namer(t)(s), src)
     elif op == "cast":
         dst = resolve_dtype(rule.to_dtype or "") or ""
         if dst == spec.dtype:
-            emit(_name(rule, s), src)
+            emit(output_name(rule, s), src)
         else:
             why = check_cast(spec.dtype, dst)
             if why:
                 raise RuleProblem(f"{name}: {why}")
-            emit(_name(rule, s), Cast(dtype=dst, shape=spec.shape, src=src))
+            emit(output_name(rule, s), Cast(dtype=dst, shape=spec.shape, src=src))
     elif op in ("transpose", "permute"):
         _permute(rule, s, src, rank, name, emit)
     elif op == "reshape":
@@ -157,7 +169,8 @@ def namer(t: A.Template) -> Callable[[Scope], str]:
     return hit[1]
 
 
-def _name(rule: A.Rule, s: Scope) -> str:
+def output_name(rule: A.Rule, s: Scope) -> str:
+    """The rule's output name for this tensor: its template, or the tensor's own name."""
     if not rule.outputs:
         assert s.tensor is not None
         return s.tensor.name
@@ -184,7 +197,7 @@ def _permute(
         if sorted(perm) != list(range(rank)):
             raise RuleProblem(f"dims {perm} is not an ordering of the {rank} dimensions of {name}")
     shape = tuple(src.shape[p] for p in perm)
-    emit(_name(rule, s), Permute(dtype=src.dtype, shape=shape, src=src, perm=tuple(perm)))
+    emit(output_name(rule, s), Permute(dtype=src.dtype, shape=shape, src=src, perm=tuple(perm)))
 
 
 def _reshape(
@@ -205,7 +218,7 @@ def _reshape(
         target[target.index(-1)] = total // known
     if numel(tuple(target)) != total:
         raise RuleProblem(f"cannot reshape {name} ({total} elements) to {target}")
-    emit(_name(rule, s), Reshape(dtype=src.dtype, shape=tuple(target), src=src))
+    emit(output_name(rule, s), Reshape(dtype=src.dtype, shape=tuple(target), src=src))
 
 
 def template_names(t: A.Template) -> set[str]:

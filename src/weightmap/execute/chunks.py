@@ -9,9 +9,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from weightmap.execute import values
 from weightmap.execute.kernels import cast, evaluate
 from weightmap.format.dtypes import DTYPES, numel
-from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Cast,
+    Concat,
+    Mask,
+    Node,
+    Permute,
+    Quantize,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -20,48 +34,125 @@ __all__ = ["chunk_plan", "region", "tree_nodes"]
 
 
 def region(
-    node: Node, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that."""
+    """``node``'s output narrowed to ``[start, stop)`` along ``dim``, computing only that.
+
+    ``seen`` (when given) collects each input view the region reads, by input name.
+    """
     import torch
 
+    def sub(n: Node, d: int, lo: int, hi: int) -> torch.Tensor:
+        return region(n, d, lo, hi, get, where, seen)
+
     if isinstance(node, Source):
-        return get(node.name).narrow(dim, start, stop - start)
+        view = get(node.name).narrow(dim, start, stop - start)
+        if seen is not None:
+            seen.append((node.name, view))
+        return view
     if isinstance(node, Cast):
-        return cast(
-            region(node.src, dim, start, stop, get, where), node.src.dtype, node.dtype, where
-        )
+        return cast(sub(node.src, dim, start, stop), node.src.dtype, node.dtype, where)
     if isinstance(node, Permute):
-        return region(node.src, node.perm[dim], start, stop, get, where).permute(node.perm)
+        return sub(node.src, node.perm[dim], start, stop).permute(node.perm)
     if isinstance(node, Slice):
         if dim == node.dim:
-            return region(node.src, dim, node.start + start, node.start + stop, get, where)
-        part = region(node.src, dim, start, stop, get, where)
-        return part.narrow(node.dim, node.start, node.stop - node.start)
+            return sub(node.src, dim, node.start + start, node.start + stop)
+        return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         if dim != node.dim:
-            parts = [region(s, dim, start, stop, get, where) for s in node.srcs]
-            return torch.cat(parts, node.dim)
+            return torch.cat([sub(s, dim, start, stop) for s in node.srcs], node.dim)
         pieces, base = [], 0
         for s in node.srcs:
             size = s.shape[dim]
             lo, hi = max(start, base), min(stop, base + size)
             if lo < hi:
-                pieces.append(region(s, dim, lo - base, hi - base, get, where))
+                pieces.append(sub(s, dim, lo - base, hi - base))
             base += size
         return torch.cat(pieces, dim)
     if isinstance(node, Stack):
         if dim == node.dim:
             return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
         inner = dim if dim < node.dim else dim - 1
-        return torch.stack([region(s, inner, start, stop, get, where) for s in node.srcs], node.dim)
+        return torch.stack([sub(s, inner, start, stop) for s in node.srcs], node.dim)
     if isinstance(node, Reshape):
-        return _reshape_region(node, dim, start, stop, get, where)
+        return _reshape_region(node, dim, start, stop, get, where, seen)
+    if isinstance(node, Arith):
+        return values.arith(sub(node.src, dim, start, stop), node)
+    if isinstance(node, Binary):
+        return _binary_region(node, dim, start, stop, get, where, seen)
+    if isinstance(node, Quantize):
+        return _quantize_region(node, dim, start, stop, get, where, seen)
+    if isinstance(node, Mask):
+        # Positions can land anywhere in the output: the (small) source is read whole.
+        out = values.mask(evaluate(node.src, get, where), node, where)
+        return out.narrow(dim, start, stop - start)
     raise TypeError(f"unknown plan node {type(node).__name__}")
 
 
+def _block_dim(shape: tuple[int, ...], block: tuple[int, ...], dim: int) -> int | None:
+    """The block size along ``dim`` of a tensor of ``shape``, or None if ``dim`` has none."""
+    first = len(shape) - len(block)
+    return block[dim - first] if dim >= first else None
+
+
+def _binary_region(
+    node: Binary,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """``a`` over the region, ``b`` over the blocks that cover it (a chunk may cut a block)."""
+    a = region(node.a, dim, start, stop, get, where, seen)
+    size = _block_dim(node.shape, node.block, dim)
+    offsets = [0] * len(node.block)
+    if size is None:
+        b = region(node.b, dim, start, stop, get, where, seen)
+    else:
+        lo, hi = start // size, (stop - 1) // size + 1
+        b = region(node.b, dim, lo, hi, get, where, seen)
+        offsets[dim - (len(node.shape) - len(node.block))] = start - lo * size
+    return values.binary(a, b, node, offsets)
+
+
+def _quantize_region(
+    node: Quantize,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
+) -> torch.Tensor:
+    """Quantize the whole blocks that cover the region, then keep the region."""
+    src_shape = node.src.shape
+    size = _block_dim(src_shape, node.block, dim)
+    if size is None:  # a leading dim (experts): whole blocks whatever the range
+        return values.quantize(region(node.src, dim, start, stop, get, where, seen), node)
+    if node.part == "scales":  # output index i is source block i along this dim
+        lo, hi = start * size, min(stop * size, src_shape[dim])
+        return values.quantize(region(node.src, dim, lo, hi, get, where, seen), node)
+    lo, hi = start // size * size, min(-(-stop // size) * size, src_shape[dim])
+    out = values.quantize(region(node.src, dim, lo, hi, get, where, seen), node)
+    return out.narrow(dim, start - lo, stop - start)
+
+
 def _reshape_region(
-    node: Reshape, dim: int, start: int, stop: int, get: Callable[[str], torch.Tensor], where: str
+    node: Reshape,
+    dim: int,
+    start: int,
+    stop: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """A reshape's region along ``dim``: one flat range of its source per outer index.
 
@@ -77,16 +168,21 @@ def _reshape_region(
     shape = list(node.shape)
     shape[dim] = stop - start
     if outer == 1:
-        return _flat(node.src, start * inner, stop * inner, get, where).reshape(shape)
+        return _flat(node.src, start * inner, stop * inner, get, where, seen).reshape(shape)
     pieces = [
-        _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where)
+        _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where, seen)
         for o in range(outer)
     ]
     return torch.cat(pieces).reshape(shape)
 
 
 def _flat(
-    node: Node, lo: int, hi: int, get: Callable[[str], torch.Tensor], where: str
+    node: Node,
+    lo: int,
+    hi: int,
+    get: Callable[[str], torch.Tensor],
+    where: str,
+    seen: list[tuple[str, torch.Tensor]] | None,
 ) -> torch.Tensor:
     """Elements ``[lo, hi)`` of ``node`` in row-major order, as a 1-D tensor."""
     if not node.shape:
@@ -94,17 +190,18 @@ def _flat(
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     per = numel(node.shape[dim + 1 :])
     r0, r1 = lo // per, -(-hi // per)
-    part = region(node, dim, r0, r1, get, where).reshape(-1)
+    part = region(node, dim, r0, r1, get, where, seen).reshape(-1)
     return part[lo - r0 * per : hi - r0 * per]
 
 
 def tree_nodes(node: Node) -> list[Node]:
-    children: list[Node] = []
-    if isinstance(node, Concat | Stack):
-        children = list(node.srcs)
-    elif isinstance(node, Cast | Permute | Slice | Reshape):
-        children = [node.src]
-    return [node] + [n for c in children for n in tree_nodes(c)]
+    """Every node of the tree, root first."""
+    return [node] + [n for c in node.children() for n in tree_nodes(c)]
+
+
+# Bytes per element that computing a node holds besides its result: value nodes convert
+# their operands to the compute dtype and keep a product or a quantized copy (float32).
+_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16}
 
 
 def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
@@ -116,6 +213,15 @@ def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     """
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     extent = node.shape[dim] if node.shape else 1
-    total = sum(numel(n.shape) * max(DTYPES[n.dtype].itemsize, 1) for n in tree_nodes(node))
+    total = sum(
+        numel(n.shape) * (max(DTYPES[n.dtype].itemsize, 1) + _WORKING_BYTES.get(type(n), 0))
+        for n in tree_nodes(node)
+    )
     per_index = max(1, total // max(extent, 1))
-    return dim, max(1, min(extent, budget // per_index))
+    step = max(1, min(extent, budget // per_index))
+    if isinstance(node, Quantize) and node.part == "values":
+        # Whole blocks per chunk, or each chunk's edge blocks would be quantized twice.
+        size = _block_dim(node.src.shape, node.block, dim)
+        if size is not None and step < extent:
+            step = max(size, step // size * size)
+    return dim, step

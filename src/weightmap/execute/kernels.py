@@ -11,13 +11,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from weightmap.errors import ExecutionError
-from weightmap.execute.nans import settle, strategy
+from weightmap.execute import values
+from weightmap.execute.nans import convert
 from weightmap.format.dtypes import DTYPES
 from weightmap.plan.nodes import (
+    Arith,
+    Binary,
     Cast,
     Concat,
+    Mask,
     Node,
     Permute,
+    Quantize,
     Reshape,
     Slice,
     Source,
@@ -28,7 +33,7 @@ from weightmap.plan.nodes import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OPAQUE_DTYPES", "cast", "convert", "evaluate", "tensor_bytes"]
+__all__ = ["OPAQUE_DTYPES", "cast", "evaluate", "tensor_bytes"]
 
 # dtypes torch cannot compute with; they may only be moved byte for byte.
 OPAQUE_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
@@ -56,17 +61,6 @@ def cast(t: torch.Tensor, src: str, dst: str, where: str = "") -> torch.Tensor:
     return convert(t, target.torch())
 
 
-def convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` with NaN bits that do not depend on how the tensor is split (nans.py)."""
-    how = strategy(t.dtype, dtype)
-    if how == "contiguous":
-        t = t.contiguous()
-    out = t.to(dtype)
-    if how == "settle":
-        settle(out, t)
-    return out
-
-
 def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") -> torch.Tensor:
     """The tensor a node produces, given ``get(name)`` for its input tensors."""
     import torch
@@ -87,6 +81,14 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
         return torch.stack([evaluate(s, get, where) for s in node.srcs], node.dim)
     if isinstance(node, Permute):
         return evaluate(node.src, get, where).permute(node.perm)
+    if isinstance(node, Arith):
+        return values.arith(evaluate(node.src, get, where), node)
+    if isinstance(node, Binary):
+        return values.binary(evaluate(node.a, get, where), evaluate(node.b, get, where), node)
+    if isinstance(node, Quantize):
+        return values.quantize(evaluate(node.src, get, where), node)
+    if isinstance(node, Mask):
+        return values.mask(evaluate(node.src, get, where), node, where)
     if isinstance(node, Reshape):
         src = evaluate(node.src, get, where)
         if node.dtype in OPAQUE_DTYPES:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Strategy", "settle", "strategy"]
+__all__ = ["Strategy", "convert", "settle", "strategy"]
 
 Strategy = Literal["plain", "contiguous", "settle"]
 
@@ -109,3 +109,14 @@ def _may_hold_nan(out: torch.Tensor, src: torch.Tensor) -> bool:
         except RuntimeError:  # no amax kernel for this dtype (float8)
             continue
     return True
+
+
+def convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` with NaN bits that do not depend on how the tensor is split (nans.py)."""
+    how = strategy(t.dtype, dtype)
+    if how == "contiguous":
+        t = t.contiguous()
+    out = t.to(dtype)
+    if how == "settle":
+        settle(out, t)
+    return out

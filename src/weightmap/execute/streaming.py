@@ -4,41 +4,40 @@ Each output tensor takes one of two paths:
 
 - **bytes**: where the output's bytes are a sequence of input byte ranges (rename, keep,
   reshape, slices and concatenations whose outer dimensions allow it, casts to the same dtype,
-  permutes that only move size-1 dimensions), the ranges are copied in the kernel with
-  ``copy_file_range`` and never pass through Python objects;
+  permutes that only move size-1 dimensions), the writer lays them out so that they keep their
+  input offsets modulo the filesystem block, and the ranges are moved by the kernel: cloned
+  (extents shared with the input) where the filesystem can, copied with ``copy_file_range``
+  otherwise. They never pass through Python objects;
 - **chunks**: everything else is computed in slices along one output dimension over
-  memory-mapped views, each slice small enough that the intermediates stay within the chunk
-  budget, and written at its offset.
+  memory-mapped views (``compute.py``), in bounded memory, and written at its offset.
 
-Tensors are spread over a small pool of threads; each tensor is handled by one thread, in order,
-so its checksum can be computed as it is written.
+Work is scheduled in pieces of a few MiB, not per tensor: the copies of adjacent ranges are
+coalesced and cut into pieces, small computed tensors are batched, and a small pool of threads
+takes the pieces in turn.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from weightmap.errors import ExecutionError, FormatError
-from weightmap.execute.chunks import chunk_plan, region, tree_nodes
-from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
-from weightmap.execute.nans import settle, strategy
+from weightmap.execute.chunks import tree_nodes
+from weightmap.execute.compute import Computer
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.dtypes import DTYPES, nbytes, numel
-from weightmap.format.writer import CheckpointWriter
-from weightmap.plan.nodes import Cast, Node, int_cast_fits
-from weightmap.plan.plan import Plan
-
-if TYPE_CHECKING:
-    import torch
+from weightmap.format.dtypes import nbytes
+from weightmap.format.layout import Extent, Layouts, Origin
+from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
+from weightmap.plan.nodes import Source
+from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -49,15 +48,16 @@ __all__ = [
     "execute",
 ]
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+# The memory computed tensors may take at once, over all threads.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
 # Below this average size, many small kernel copies cost more than computing the tensor.
 _MIN_SEGMENT = 64 * 1024
 _FEW_SEGMENTS = 64
-# Large copies go in pieces of this size, each handed to the disk as soon as it is written.
-_PIECE = 64 * 2**20
-_SYNC_FILE_RANGE_WRITE = 2
+# A clone moves no data: as work, it weighs like a copy of this many bytes.
+_CLONE_WEIGHT = 64 * 1024
 
 ProgressFn = Callable[[int], None]
+T = TypeVar("T")
 
 
 def default_workers() -> int:
@@ -67,8 +67,13 @@ def default_workers() -> int:
 
 @dataclass
 class ExecutionStats:
-    """What an execution did: bytes moved by each path and per-tensor checksums."""
+    """What an execution did: output bytes by path, and per-tensor checksums.
 
+    ``bytes_cloned`` were shared with the input by the filesystem (extents cloned, no data
+    moved), ``bytes_copied`` were copied by the kernel, ``bytes_computed`` were computed.
+    """
+
+    bytes_cloned: int = 0
     bytes_copied: int = 0
     bytes_computed: int = 0
     checksums: dict[str, int] | None = None
@@ -104,230 +109,89 @@ def check_unchanged(ckpt: Checkpoint) -> None:
             )
 
 
-class _Runner:
-    def __init__(
-        self,
-        ckpt: Checkpoint,
-        writer: CheckpointWriter,
-        chunk_bytes: int,
-        checksum: bool,
-        progress: ProgressFn | None,
-    ) -> None:
-        self.ckpt = ckpt
-        self.writer = writer
-        self.chunk_bytes = chunk_bytes
-        self.checksum = checksum
-        self.progress = progress
+def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
+    """The input byte ranges an output copies, or None when it is computed."""
+    segments = byte_segments(out.node)
+    if segments is None or not all(ckpt.has_range(s.name) for s in segments):
+        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
+    size = nbytes(out.node.dtype, out.node.shape)
+    if len(segments) <= _FEW_SEGMENTS or size // len(segments) >= _MIN_SEGMENT:
+        return segments
+    return None
+
+
+class _Stats:
+    """Thread-safe counters behind ExecutionStats, and the progress callback."""
+
+    def __init__(self, checksum: bool, progress: ProgressFn | None) -> None:
         self.stats = ExecutionStats(checksums={} if checksum else None)
-        self._fds: dict[Path, int] = {}
+        self.progress = progress
         self._lock = threading.Lock()
-        # One output buffer per thread, reused chunk after chunk: a fresh allocation per chunk
-        # costs a page fault per page (and its zeroing) every time.
-        self._scratch = threading.local()
 
-    def fd(self, path: Path) -> int:
+    def add(self, n: int, kind: str) -> None:
         with self._lock:
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            return self._fds[path]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def _report(self, n: int, copied: bool) -> None:
-        with self._lock:
-            if copied:
-                self.stats.bytes_copied += n
-            else:
-                self.stats.bytes_computed += n
+            name = f"bytes_{kind}"
+            setattr(self.stats, name, getattr(self.stats, name) + n)
         if self.progress is not None:
             self.progress(n)
 
-    def run(self, name: str, node: Node) -> None:
-        segments = byte_segments(node)
-        if segments is not None and not all(self.ckpt.has_range(s.name) for s in segments):
-            segments = None  # a PyTorch tensor strided in its storage: no byte range to copy
-        _, _, length = self.writer.target(name)
-        if segments is not None and (
-            len(segments) <= _FEW_SEGMENTS or length // len(segments) >= _MIN_SEGMENT
-        ):
-            self._copy(name, segments)
-        else:
-            self._compute(name, node)
 
-    def _copy(self, name: str, segments: list[Segment]) -> None:
-        crc = 0
-        position = 0
-        for seg in segments:
-            loc = self.ckpt.location(seg.name)
-            for begin in range(0, seg.length, _PIECE):
-                piece = Segment(seg.name, seg.offset + begin, min(_PIECE, seg.length - begin))
-                self.writer.copy_range(
-                    name, self.fd(loc.path), loc.offset + piece.offset, piece.length, position
-                )
-                self._start_writeback(name, position, piece.length)
-                if self.checksum:
-                    # Checksum the source bytes through the page cache the copy just warmed.
-                    crc = zlib.crc32(self._raw(piece), crc)
-                position += piece.length
-                self._report(piece.length, copied=True)
-        if self.stats.checksums is not None:
-            self.stats.checksums[name] = crc
-
-    def _start_writeback(self, name: str, offset: int, length: int) -> None:
-        """Ask the kernel to start writing these output bytes to disk now, without waiting.
-
-        The commit fsyncs every shard; started early, the disk writes overlap the rest of the
-        copying instead of all waiting for that fsync.
-        """
-        if length < _MIN_SEGMENT:
-            return
-        fd, begin, _ = self.writer.target(name)
-        _sync_file_range(fd, begin + offset, length)
-
-    def _raw(self, seg: Segment) -> memoryview:
-        import torch
-
-        view = self.ckpt.view(seg.name)
-        if view.numel() == 0:
-            return memoryview(b"")
-        raw = view.reshape(-1).view(torch.uint8)[seg.offset : seg.offset + seg.length]
-        return raw.numpy().data
-
-    def _compute(self, name: str, node: Node) -> None:
-        opaque = sorted({n.dtype for n in tree_nodes(node)} & OPAQUE_DTYPES)
-        if opaque:
-            raise ExecutionError(
-                f"{name}: {opaque[0]} data can only be renamed, kept, reshaped, or split and "
-                "merged along whole bytes; this rule needs arithmetic on it"
-            )
-        if nbytes(node.dtype, node.shape) == 0:
-            if self.stats.checksums is not None:
-                self.stats.checksums[name] = 0
-            return
-        dim, step = chunk_plan(node, self.chunk_bytes)
-        extent = node.shape[dim] if node.shape else 1
-        crc = 0
-        offset = 0
-        for start in range(0, max(extent, 1), step):
-            stop = min(extent, start + step)
-            if node.shape:
-                data = self._chunk(node, dim, start, stop, name)
-            else:
-                data = memoryview(tensor_bytes(evaluate(node, self.ckpt.view, name)))
-            if data.nbytes:
-                self.writer.write(name, data, offset)
-                self._start_writeback(name, offset, data.nbytes)
-                if self.checksum:
-                    crc = zlib.crc32(data, crc)
-            offset += data.nbytes
-            self._report(data.nbytes, copied=False)
-            del data
-        if self.stats.checksums is not None:
-            self.stats.checksums[name] = crc
-
-    def _chunk(self, node: Node, dim: int, start: int, stop: int, name: str) -> memoryview:
-        """The bytes of ``node`` over ``[start, stop)`` along ``dim``, without a copy to bytes.
-
-        A cast at the top (the common whole-checkpoint cast) converts straight from the
-        memory-mapped input into the thread's buffer: ``copy_`` is what ``Tensor.to`` does
-        after allocating. Integer casts that may lose values keep the checked path.
-        """
-        if (
-            isinstance(node, Cast)
-            and node.src.dtype != node.dtype
-            and int_cast_fits(node.src.dtype, node.dtype)
-        ):
-            src = region(node.src, dim, start, stop, self.ckpt.view, name)
-            out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
-            how = strategy(src.dtype, out.dtype)
-            if how == "contiguous" and not src.is_contiguous():
-                staged = self._buffer(src.dtype, tuple(src.shape), slot=2)
-                self._copy_into(staged, src)  # same dtype: moves bytes, converts nothing
-                src = staged
-            self._copy_into(out, src)
-            if how == "settle":
-                settle(out, src)
-            return _memory(out)
-        part = region(node, dim, start, stop, self.ckpt.view, name)
-        if part.is_contiguous():
-            return _memory(part)
-        out = self._buffer(part.dtype, tuple(part.shape))
-        self._copy_into(out, part)
-        return _memory(out)
-
-    def _copy_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
-        """``out.copy_(src)``; a transposed view is first gathered in its own memory order.
-
-        Copied directly, a transposed view reads every element from a different row of the
-        input, a cache miss each. Gathering the view's rows into a compact block reads the
-        input in order, and the copy out of that block is a permute of a contiguous tensor,
-        which torch transposes in cache-sized tiles (2-D). Same elements, same result.
-        """
-        if src.dim() < 2 or src.stride(-1) == 1:
-            out.copy_(src)
-            return
-        strides = src.stride()
-        order = sorted(range(src.dim()), key=lambda d: -strides[d])
-        staged = src.permute(order)
-        block = self._buffer(src.dtype, tuple(staged.shape), slot=1)
-        block.copy_(staged)
-        inverse = [0] * len(order)
-        for i, d in enumerate(order):
-            inverse[d] = i
-        out.copy_(block.permute(inverse))
-
-    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
-        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``."""
-        import torch
-
-        nbytes = numel(shape) * dtype.itemsize
-        bufs: dict[int, torch.Tensor] = self._scratch.__dict__.setdefault("bufs", {})
-        buf = bufs.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
-            buf = bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(dtype).view(shape)
+def _batches(items: Iterable[T], weight: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Consecutive items in lists of about ``limit`` weight (a heavier item alone)."""
+    batch: list[T] = []
+    total = 0
+    for item in items:
+        batch.append(item)
+        total += weight(item)
+        if total >= limit:
+            yield batch
+            batch, total = [], 0
+    if batch:
+        yield batch
 
 
-_sync_range: Callable[[int, int, int, int], int] | None = None
-_sync_range_missing = False
+def _compute(computer: Computer, outputs: list[OutputTensor]) -> None:
+    for out in outputs:
+        computer.run(out.name, out.node)
 
 
-def _sync_file_range(fd: int, offset: int, length: int) -> None:
-    """Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing where it is unavailable.
+def _transfer(writer: CheckpointWriter, pieces: list[Piece], counts: _Stats) -> None:
+    for piece in pieces:
+        counts.add(piece.length, "cloned" if writer.transfer(piece) else "copied")
 
-    Only a hint for the kernel's writeback (the commit's fsync is what makes data durable), so
-    any failure just turns it off.
-    """
-    global _sync_range, _sync_range_missing
-    if _sync_range_missing:
+
+def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
+    """CRC-32 of copied tensors, read from their input ranges with pread (nothing mapped)."""
+    buf = bytearray(COPY_PIECE)
+    view = memoryview(buf)
+    fds: dict[Path, int] = {}
+    try:
+        for name, ranges in names:
+            crc = 0
+            for path, offset, length in ranges:
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                end = offset + length
+                while offset < end:
+                    n = os.preadv(fds[path], [view[: min(len(buf), end - offset)]], offset)
+                    if n == 0:
+                        raise ExecutionError(f"{path}: the input ended early; it changed")
+                    crc = zlib.crc32(view[:n], crc)
+                    offset += n
+            into[name] = crc
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _run_all(tasks: Sequence[Callable[[], None]], workers: int) -> None:
+    if workers == 1:
+        for task in tasks:
+            task()
         return
-    if _sync_range is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        except (AttributeError, OSError):
-            _sync_range_missing = True
-            return
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _sync_range = fn
-    if _sync_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
-        _sync_range_missing = True
-
-
-def _memory(t: torch.Tensor) -> memoryview:
-    """The row-major bytes of a contiguous tensor, as a view (the bytes ``tensor_bytes`` gives)."""
-    import torch
-
-    if t.numel() == 0:
-        return memoryview(b"")
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8).numpy().data
+    with ThreadPoolExecutor(workers, thread_name_prefix="weightmap") as pool:
+        for f in [pool.submit(task) for task in tasks]:
+            f.result()
 
 
 def execute(
@@ -344,9 +208,14 @@ def execute(
     metadata: dict[str, str] | None = None,
     extra_files: Sequence[tuple[str, bytes]] = (),
     before_commit: Callable[[Path, ExecutionStats], None] | None = None,
+    layout: Layouts = "clone",
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Write ``plan`` applied to ``ckpt`` into ``dest`` atomically; see the module docstring.
 
+    ``chunk_bytes`` bounds the memory of computed tensors over all ``workers`` threads;
+    ``layout`` is the writer's (``"clone"``, or ``"reference"`` for the bytes
+    ``safetensors.save_file`` writes). ``ckpt`` is this execution's own: the input pages it
+    reads are unmapped as it goes, so it must not have handed out views.
     ``before_commit(folder, stats)`` is called with the finished temporary folder before it is
     moved into place; if it raises, nothing is committed (``remap`` verifies there).
     """
@@ -356,33 +225,89 @@ def execute(
     n_workers = default_workers() if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    files = ckpt.files
+    where: dict[str, tuple[Path, int, int]] = {}
+    numbers: dict[str, int] = {}
+    for i, (path, header) in enumerate(ckpt.headers.items()):
+        for name, info in header.tensors.items():
+            where[name] = (path, header.data_start + info.begin, header.data_start + info.end)
+            numbers[name] = i
+    copied: dict[str, list[Segment]] = {}
+    origins: dict[str, Origin] = {}
+    specs = plan.output_specs()
+    sizes = {s.name: s.nbytes for s in specs}
+    for out in plan.outputs:
+        node = out.node
+        if isinstance(node, Source) and ckpt.has_range(node.name):  # the common case, short
+            _, begin, end = where[node.name]
+            copied[out.name] = [Segment(node.name, 0, end - begin)]
+            origins[out.name] = Origin(
+                (numbers[node.name], begin), (Extent(numbers[node.name], begin, end - begin),)
+            )
+            continue
+        segments = _copied(out, ckpt)
+        if segments is not None:
+            copied[out.name] = segments
+            extents = tuple(
+                Extent(numbers[s.name], where[s.name][1] + s.offset, s.length) for s in segments
+            )
+            first = segments[0].name if segments else out.node.sources()[0].name
+            anchor = (numbers[first], where[first][1] + (segments[0].offset if segments else 0))
+            origins[out.name] = Origin(anchor, extents)
+        else:
+            first = next(n.name for n in tree_nodes(out.node) if isinstance(n, Source))
+            origins[out.name] = Origin((numbers[first], where[first][1]))
     writer = CheckpointWriter(
         dest,
-        plan.output_specs(),
+        specs,
         max_shard_size=max_shard_size,
         metadata={"format": "pt"} if metadata is None else metadata,
         config=plan.config,
         overwrite=overwrite,
-        protect=ckpt.files,
+        protect=files,
+        origins=origins,
+        inputs=files,
+        layout=layout,
     )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)
-    runner = _Runner(ckpt, writer, chunk_bytes, checksum, progress)
+    counts = _Stats(checksum, progress)
+    computer = Computer(
+        ckpt,
+        writer,
+        where,
+        max(1, chunk_bytes // n_workers),
+        lambda n: counts.add(n, "computed"),
+        counts.stats.checksums,
+    )
     if before_commit is not None:
         check = before_commit
-        writer.before_move = lambda folder: check(folder, runner.stats)
+        writer.before_move = lambda folder: check(folder, counts.stats)
     try:
         with writer:
-            # Biggest tensors first, so one large tensor does not finish last on its own.
-            jobs = sorted(plan.outputs, key=lambda o: -o.spec.nbytes)
-            if n_workers == 1:
-                for out in jobs:
-                    runner.run(out.name, out.node)
-            else:
-                with ThreadPoolExecutor(n_workers, thread_name_prefix="weightmap") as pool:
-                    futures = [pool.submit(runner.run, o.name, o.node) for o in jobs]
-                    for f in futures:
-                        f.result()
+            tasks: list[Callable[[], None]] = []
+            # Computed tensors first, biggest first, so one large tensor does not finish last;
+            # small ones in batches. The copies follow in output order.
+            computed = sorted(
+                (o for o in plan.outputs if o.name not in copied), key=lambda o: -sizes[o.name]
+            )
+            for batch in _batches(computed, lambda o: sizes[o.name], COPY_PIECE):
+                tasks.append(partial(_compute, computer, batch))
+            for pieces in _batches(
+                writer.pieces(), lambda p: _CLONE_WEIGHT if p.clone else p.length, COPY_PIECE
+            ):
+                tasks.append(partial(_transfer, writer, pieces, counts))
+            if counts.stats.checksums is not None:
+                ranges = [
+                    (
+                        name,
+                        [(where[s.name][0], where[s.name][1] + s.offset, s.length) for s in segs],
+                    )
+                    for name, segs in copied.items()
+                ]
+                for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
+                    tasks.append(partial(_checksum, group, counts.stats.checksums))
+            _run_all(tasks, n_workers)
             # An input rewritten under us may have fed some tensors old bytes and some new:
             # only an input unchanged from start to end gives an output worth committing.
             check_unchanged(ckpt)
@@ -392,6 +317,4 @@ def execute(
         raise ExecutionError(
             f"{dest}: writing failed ({exc}); nothing was written under that name"
         ) from exc
-    finally:
-        runner.close()
-    return writer, runner.stats
+    return writer, counts.stats

@@ -527,6 +527,24 @@ class Checkpoint:
                 self._loaded[path] = tensors
             return tensors
 
+    def release(self, path: Path, begin: int, end: int) -> None:
+        """Unmap from this process the pages that hold bytes ``[begin, end)`` of ``path``.
+
+        The bytes stay in the page cache, and a later read through a view maps them again, so
+        a reader that streams through a file keeps its resident memory to what it is reading.
+        ``madvise(MADV_DONTNEED)`` also throws away anything written through a view of those
+        pages (the map is copy-on-write): only for readers that never write to their views,
+        never on a checkpoint whose views were handed out.
+        """
+        with self._lock:
+            mm = self._maps.get(path)
+        if mm is None or end <= begin:
+            return
+        start = begin - begin % mmap.PAGESIZE
+        stop = min(len(mm), end + -end % mmap.PAGESIZE)
+        if stop > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def close(self) -> None:
         """Let go of the memory maps; views handed out earlier stay valid.
 

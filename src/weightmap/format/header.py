@@ -14,6 +14,7 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -46,7 +47,7 @@ class TensorInfo:
         """Size of the tensor's data in bytes."""
         return self.end - self.begin
 
-    @property
+    @cached_property
     def spec(self) -> TensorSpec:
         """The tensor's name, dtype and shape."""
         return TensorSpec(self.name, self.dtype, self.shape)
@@ -170,8 +171,41 @@ def _entry_keys(entry: dict[str, Any], path: str, name: str) -> None:
     raise _fail(path, "tensor-entry", f"entry keys are wrong ({detail})", name)
 
 
+def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
+    """The common, valid entry in few steps (a header may list 100,000); None for anything
+    else, which ``_tensor`` then checks rule by rule to name what is wrong.
+
+    Accepts exactly what ``_tensor`` accepts: JSON gives plain dicts, lists and ints, and
+    ``type(x) is int`` leaves out ``true``, as ``_int_list`` does.
+    """
+    if type(entry) is not dict or entry.keys() != _TENSOR_KEYS:
+        return None
+    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    dt = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if (
+        dt is None
+        or type(shape) is not list
+        or type(offsets) is not list
+        or len(offsets) != 2
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= U64_MAX:
+        return None
+    count = _numel(shape)
+    if count is None:
+        return None
+    bits = count * dt.bits
+    if bits > U64_MAX or bits % 8 or end - begin != bits // 8:
+        return None
+    return TensorInfo(name, dtype_name, tuple(shape), begin, end)
+
+
 def _tensor(name: str, entry: object, path: str) -> TensorInfo:
     """One tensor entry, checked: keys, dtype, shape, offsets, and that they agree."""
+    if is_utf8(name) and (plain := _plain_tensor(name, entry)) is not None:
+        return plain
     if not is_utf8(name):
         raise _fail(path, "header-utf8", "name holds a lone surrogate escape", name)
     if not isinstance(entry, dict):

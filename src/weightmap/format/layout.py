@@ -1,7 +1,9 @@
-"""How a checkpoint is laid out on disk: file names, shard plans and header bytes.
+"""How a checkpoint is laid out on disk: file names, shard plans, header bytes and copies.
 
-Pure functions of names, dtypes and shapes: the writer plans every shard and header from these
-before any data arrives, exactly as the reference writer lays them out.
+Pure functions of names, dtypes, shapes and where each output's bytes come from: the writer
+plans every shard and header from these before any data arrives, either exactly as the
+reference writer lays them out, or (the default) so that unchanged bytes keep their input
+offsets modulo the filesystem block and a copy-on-write filesystem can share them.
 """
 
 from __future__ import annotations
@@ -10,19 +12,29 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
+from typing import Literal, NamedTuple
 
 from weightmap.format.dtypes import DTYPES, TensorSpec
 
 __all__ = [
+    "CLONE_BLOCK",
     "CONFIG_NAME",
     "DEFAULT_MAX_SHARD_SIZE",
     "INDEX_NAME",
     "JOURNAL_NAME",
+    "LAYOUTS",
     "SINGLE_NAME",
+    "Copy",
+    "Extent",
+    "Layout",
+    "Layouts",
+    "Origin",
     "ShardPlan",
+    "aligned_middle",
     "build_header",
     "parse_size",
+    "plan_layout",
     "plan_shards",
 ]
 
@@ -74,6 +86,35 @@ def _layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (-DTYPES[s.dtype].rank, s.name))
 
 
+def _header_text(
+    order: Sequence[TensorSpec], sizes: Mapping[str, int], metadata: Mapping[str, str] | None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The header JSON of tensors stored back to back in ``order`` (unpadded), and their
+    offsets relative to the data buffer.
+
+    Written entry by entry: the same bytes as ``json.dumps`` of the whole header with compact
+    separators, without building a dict per tensor (a checkpoint may hold 100,000 of them).
+    """
+    parts: list[str] = []
+    if metadata:
+        meta = {k: metadata[k] for k in sorted(metadata)}
+        parts.append(
+            '"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+        )
+    offsets: dict[str, tuple[int, int]] = {}
+    position = 0
+    for spec in order:
+        end = position + sizes[spec.name]
+        offsets[spec.name] = (position, end)
+        shape = ",".join(map(str, spec.shape))
+        parts.append(
+            f'{encode_basestring(spec.name)}:{{"dtype":"{spec.dtype}",'
+            f'"shape":[{shape}],"data_offsets":[{position},{end}]}}'
+        )
+        position = end
+    return ("{" + ",".join(parts) + "}").encode("utf-8"), offsets
+
+
 def build_header(
     specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -83,21 +124,8 @@ def build_header(
     spaces to a multiple of 8), so the same tensors and metadata give the same bytes. Metadata
     keys are written sorted, where the reference writer's order varies from run to run.
     """
-    entries: dict[str, Any] = {}
-    if metadata:
-        entries["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
-    offsets: dict[str, tuple[int, int]] = {}
-    position = 0
-    for spec in _layout_order(specs):
-        size = spec.nbytes
-        offsets[spec.name] = (position, position + size)
-        entries[spec.name] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [position, position + size],
-        }
-        position += size
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    sizes = {s.name: s.nbytes for s in specs}
+    text, offsets = _header_text(_layout_order(specs), sizes, metadata)
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text, offsets
 
@@ -112,6 +140,29 @@ class ShardPlan:
     size: int
 
 
+def _shard_names(n: int) -> list[str]:
+    if n == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _group(
+    specs: Sequence[TensorSpec], sizes: Mapping[str, int], limit: int, breaks: Sequence[bool]
+) -> list[list[TensorSpec]]:
+    """Greedy shards in the given order: a new one where the next tensor would pass ``limit``
+    or where ``breaks`` says so. A tensor larger than the limit gets a shard of its own."""
+    groups: list[list[TensorSpec]] = [[]]
+    current = 0
+    for spec, brk in zip(specs, breaks, strict=True):
+        size = sizes[spec.name]
+        if groups[-1] and (brk or current + size > limit):
+            groups.append([])
+            current = 0
+        groups[-1].append(spec)
+        current += size
+    return groups
+
+
 def plan_shards(
     specs: Sequence[TensorSpec],
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -120,25 +171,242 @@ def plan_shards(
     """Split tensors into shards greedily, in the given order, up to ``max_shard_size``.
 
     A tensor larger than the limit gets a shard of its own. One shard is named
-    ``model.safetensors``; several are ``model-00001-of-0000N.safetensors``.
+    ``model.safetensors``; several are ``model-00001-of-0000N.safetensors``. Each shard is laid
+    out as the reference writer lays out one file.
     """
+    return list(plan_layout(specs, max_shard_size, metadata, layout="reference").shards)
+
+
+# -- the clone-friendly layout -------------------------------------------------------------------
+
+# Copy-on-write filesystems share extents only between ranges that start on a block boundary
+# in both files. 4096 bytes is the block size of XFS, btrfs, bcachefs and ext4 as created by
+# default (and the page size of x86-64 and most arm64 kernels); a fixed value keeps the output
+# the same bytes wherever it is written.
+CLONE_BLOCK = 4096
+LAYOUTS = ("clone", "reference")
+Layouts = Literal["clone", "reference"]
+
+
+class Extent(NamedTuple):
+    """``length`` bytes at absolute offset ``offset`` of input file number ``file``."""
+
+    file: int
+    offset: int
+    length: int
+
+
+class Origin(NamedTuple):
+    """Where an output tensor's bytes come from.
+
+    ``anchor`` is the (input file number, absolute offset) of the first input byte the tensor
+    reads; ``extents`` are its bytes in order when they are input bytes unchanged, None when
+    the tensor is computed.
+    """
+
+    anchor: tuple[int, int]
+    extents: tuple[Extent, ...] | None = None
+
+
+class Copy(NamedTuple):
+    """One copy of input bytes into the output, adjacent ranges coalesced: ``length`` bytes of
+    input file ``file`` at ``src`` to offset ``dst`` of output shard ``shard``."""
+
+    file: int
+    src: int
+    shard: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every output shard, and the copies that fill the shards' copied tensors."""
+
+    shards: tuple[ShardPlan, ...]
+    copies: tuple[Copy, ...]
+
+
+def aligned_middle(src: int, dst: int, length: int) -> tuple[int, int]:
+    """``(head, middle)``: of a copy from ``src`` to ``dst``, the bytes before the first block
+    boundary and the whole blocks after them, which a clone can share; (length, 0) unless the
+    two offsets are congruent modulo ``CLONE_BLOCK``."""
+    block = CLONE_BLOCK
+    if (src - dst) % block:
+        return length, 0
+    head = min(length, -src % block)
+    return head, (length - head) // block * block
+
+
+def plan_layout(
+    specs: Sequence[TensorSpec],
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    origins: Mapping[str, Origin] | None = None,
+    layout: Layouts = "clone",
+) -> Layout:
+    """Plan every output shard and the copies of its unchanged tensors.
+
+    ``layout="reference"`` lays the shards out as the reference writer does (greedy shards in
+    the given order, each file in descending dtype rank then name, header padded to a multiple
+    of 8): the bytes ``safetensors.save_file`` writes. ``layout="clone"`` (see
+    docs/safety.md) keeps the input's arrangement wherever output tensors are input bytes:
+    tensors follow the input's order, no shard takes copied bytes from two input files, and the
+    header is padded with spaces (less than one ``CLONE_BLOCK``) so that the copied bytes sit
+    at their input offsets modulo the block size, which lets a copy-on-write filesystem share
+    them. A shard where that gains no whole block is laid out as the reference writer does.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     limit = parse_size(max_shard_size)
-    groups: list[list[TensorSpec]] = [[]]
-    current = 0
-    for spec in specs:
-        size = spec.nbytes
-        if groups[-1] and current + size > limit:
-            groups.append([])
-            current = 0
-        groups[-1].append(spec)
-        current += size
-    n = len(groups)
-    plans = []
-    for i, group in enumerate(groups, 1):
-        header, rel = build_header(group, metadata)
-        name = SINGLE_NAME if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+    origins = origins or {}
+    sizes = {s.name: s.nbytes for s in specs}
+    if layout == "clone":
+        order = _by_anchor(specs, origins)
+        groups = _group(order, sizes, limit, _file_breaks(order, origins))
+    else:
+        groups = _group(specs, sizes, limit, [False] * len(specs))
+    shards: list[ShardPlan] = []
+    copies: list[Copy] = []
+    for index, (name, group) in enumerate(zip(_shard_names(len(groups)), groups, strict=True)):
+        placed = _clone_shard(group, sizes, origins, metadata) if layout == "clone" else None
+        if placed is None:
+            order = _layout_order(group)
+            text, rel = _header_text(order, sizes, metadata)
+            text += b" " * (-len(text) % 8)
+            runs = _runs(order, sizes, origins)
+        else:
+            text, rel, runs = placed
+        header = len(text).to_bytes(8, "little") + text
         base = len(header)
         offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
-        size = base + sum(s.nbytes for s in group)
-        plans.append(ShardPlan(name, header, offsets, size))
-    return plans
+        size = base + sum(sizes[s.name] for s in group)
+        shards.append(ShardPlan(name, header, offsets, size))
+        copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
+    return Layout(tuple(shards), tuple(copies))
+
+
+def _by_anchor(specs: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[TensorSpec]:
+    """Tensors in the order of the input bytes they read (stable; unanchored ones last)."""
+    far = (1 << 62, 0)
+    return sorted(specs, key=lambda s: o.anchor if (o := origins.get(s.name)) else far)
+
+
+def _file_breaks(order: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[bool]:
+    """Where a new shard starts so that no shard copies bytes from two input files."""
+    breaks = []
+    current: int | None = None
+    for spec in order:
+        origin = origins.get(spec.name)
+        brk = False
+        if origin is not None and origin.extents:
+            file = origin.extents[0].file
+            brk = current is not None and file != current
+            current = file
+        breaks.append(brk)
+    return breaks
+
+
+def _alignment(dtype: str) -> int:
+    """The offset alignment the reference layout gives a tensor: its element size, at most 8."""
+    bits = DTYPES[dtype].bits
+    return min(8, bits // 8) if bits % 8 == 0 else 1
+
+
+def _clone_shard(
+    group: Sequence[TensorSpec],
+    sizes: Mapping[str, int],
+    origins: Mapping[str, Origin],
+    metadata: Mapping[str, str] | None,
+) -> tuple[bytes, dict[str, tuple[int, int]], list[Copy]] | None:
+    """The padded header, relative offsets and copies (offsets relative to the data buffer)
+    of one shard in the clone layout, or None where no whole block could be shared (the
+    shard is then laid out as the reference writer does).
+
+    The copied tensors go back to back in input order, the computed ones before or after them
+    in reference order (whichever keeps every tensor at its natural alignment and shares more).
+    The data buffer then starts at the offset, modulo the block size and a multiple of 8, that
+    puts the most copied bytes at their input offsets modulo the block size.
+    """
+    copied = [s for s in group if (o := origins.get(s.name)) is not None and o.extents]
+    if not copied:
+        return None
+    copied_names = {s.name for s in copied}
+    computed = _layout_order([s for s in group if s.name not in copied_names])
+    best: tuple[int, int, list[TensorSpec], list[Copy]] | None = None
+    for order in (copied + computed, computed + copied) if computed else (copied,):
+        if not _aligned(order, sizes):
+            continue
+        runs = _runs(order, sizes, origins)
+        gain, residue = _best_residue(runs)
+        if gain >= CLONE_BLOCK and (best is None or gain > best[0]):
+            best = (gain, residue, order, runs)
+    if best is None:
+        return None
+    _, residue, order, runs = best
+    text, rel = _header_text(order, sizes, metadata)
+    # The data starts at 8 + len(header) = residue modulo the block: pad the header with spaces.
+    text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
+    return text, rel, runs
+
+
+def _aligned(order: Sequence[TensorSpec], sizes: Mapping[str, int]) -> bool:
+    """Whether tensors stored back to back in ``order`` from a multiple of 8 each start at a
+    multiple of their natural alignment, as in the reference layout."""
+    position = 0
+    for spec in order:
+        if position % _alignment(spec.dtype):
+            return False
+        position += sizes[spec.name]
+    return True
+
+
+def _runs(
+    order: Sequence[TensorSpec], sizes: Mapping[str, int], origins: Mapping[str, Origin]
+) -> list[Copy]:
+    """The copies of tensors stored back to back in ``order``, offsets relative to the data
+    buffer."""
+    pieces: list[tuple[int, Extent]] = []
+    position = 0
+    for spec in order:
+        origin = origins.get(spec.name)
+        if origin is not None and origin.extents:
+            at = position
+            for ext in origin.extents:
+                pieces.append((at, ext))
+                at += ext.length
+        position += sizes[spec.name]
+    return _coalesce(pieces, 0)
+
+
+def _best_residue(runs: Sequence[Copy]) -> tuple[int, int]:
+    """``(bytes shareable, data start modulo the block)`` for copies at these offsets of the
+    data buffer: the start that puts the most whole blocks at congruent offsets."""
+    gains: dict[int, int] = {}
+    for run in runs:
+        residue = (run.src - run.dst) % CLONE_BLOCK
+        gains[residue] = gains.get(residue, 0) + aligned_middle(run.src, run.src, run.length)[1]
+    # The data buffer starts at a multiple of 8, as the reference writer's does.
+    usable = [(gain, -residue) for residue, gain in gains.items() if residue % 8 == 0]
+    if not usable:
+        return 0, 0
+    gain, neg = max(usable)
+    return gain, -neg
+
+
+def _coalesce(pieces: Iterable[tuple[int, Extent]], shard: int) -> list[Copy]:
+    """One copy per run of ranges adjacent both in the input and in the output.
+
+    ``pieces`` come in output order.
+    """
+    runs: list[list[int]] = []  # [file, src, dst, length]
+    for at, ext in pieces:
+        if not ext.length:
+            continue
+        if runs:
+            last = runs[-1]
+            if last[0] == ext.file and last[1] + last[3] == ext.offset and last[2] + last[3] == at:
+                last[3] += ext.length
+                continue
+        runs.append([ext.file, ext.offset, at, ext.length])
+    return [Copy(file, src, shard, dst, length) for file, src, dst, length in runs]

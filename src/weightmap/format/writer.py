@@ -1,9 +1,10 @@
 """Writing a sharded safetensors checkpoint atomically, from bytes that arrive in any order.
 
-The writer is told every output tensor (name, dtype, shape) up front, so it can plan the
-shards and write each header before any data, exactly as the reference writer lays them out.
-Data then arrives in chunks at planned offsets, from several threads, either as bytes or as a
-byte range of another file copied in the kernel. Everything is written inside a temporary
+The writer is told every output tensor (name, dtype, shape) up front, and where the bytes of
+those that are unchanged input bytes come from, so it can plan the shards and write each
+header before any data (``layout.py``). Data then arrives at planned offsets, from several
+threads, either as bytes or as input byte ranges moved by the kernel: shared with the input
+(cloned) where the filesystem can, copied otherwise. Everything is written inside a temporary
 sibling folder that is moved into place only after every byte is written and fsynced.
 """
 
@@ -16,7 +17,10 @@ import os
 import secrets
 import shutil
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii  # what json.dumps uses by default
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +41,42 @@ from weightmap.format.layout import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
-    plan_shards,
+    Copy,
+    Layouts,
+    Origin,
+    aligned_middle,
+    plan_layout,
+)
+from weightmap.format.transfer import (
+    clone,
+    copy,
+    fallocate,
+    fsync_all,
+    pwrite_all,
+    start_writeback,
 )
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["CheckpointWriter", "Piece"]
 
-_COPY_CHUNK = 64 * 1024 * 1024
+# Copies go in pieces of this size: threads share the work, and each piece is handed to the
+# disk as soon as it is written. Clones move no data and go in pieces of up to _CLONE_PIECE.
+COPY_PIECE = 8 * 2**20
+_CLONE_PIECE = 2**30
+# What the probe clones: one block of the common size (a clone must cover whole blocks).
+_PROBE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a :class:`Copy`: ``length`` bytes from ``src`` of input ``file`` to ``dst`` of
+    output shard ``shard``, to be cloned (``clone``) or copied."""
+
+    file: int
+    src: int
+    shard: int
+    dst: int
+    length: int
+    clone: bool
 
 
 class CheckpointWriter:
@@ -66,11 +100,14 @@ class CheckpointWriter:
         config: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         protect: Iterable[str | os.PathLike[str]] = (),
+        origins: Mapping[str, Origin] | None = None,
+        inputs: Sequence[str | os.PathLike[str]] = (),
+        layout: Layouts = "clone",
     ) -> None:
         self.dest = Path(dest)
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(s.name for s in specs)
+        if len(counts) != len(specs):
+            dup = sorted(n for n, c in counts.items() if c > 1)
             raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
         for p in protect:
             if is_within(Path(p), self.dest):
@@ -100,15 +137,22 @@ class CheckpointWriter:
             raise ExecutionError(f"{self.dest.parent}: the destination's parent is not a folder")
         self.overwrite = overwrite
         self.config = None if config is None else dict(config)
-        self.shards = plan_shards(specs, max_shard_size, metadata)
-        self._specs = {s.name: s for s in specs}
+        planned = plan_layout(specs, max_shard_size, metadata, origins, layout)
+        self.shards = list(planned.shards)
+        self.copies = planned.copies
+        self._inputs = [Path(p) for p in inputs]
+        self._total = sum(s.size - len(s.header) for s in self.shards)
         self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard idx, begin, end)
         for i, shard in enumerate(self.shards):
             for name, (b, e) in shard.offsets.items():
                 self._where[name] = (i, b, e)
-        self._written = dict.fromkeys(self._specs, 0)
+        self._written = [0] * len(self.shards)  # data bytes written, by shard
         self._lock = threading.Lock()
         self._fds: list[int] = []
+        self._src: dict[int, int] = {}  # input file number -> read-only fd
+        self._clones: dict[int, bool] = {}  # input file number -> may clone into the output
+        self._src_size: dict[int, int] = {}
+        self._pieces: list[Piece] = []
         self._files: dict[str, bytes] = {}
         self.tmp: Path | None = None
         self.committed = False
@@ -129,7 +173,7 @@ class CheckpointWriter:
             self.abort()
 
     def open(self) -> None:
-        """Create the temporary folder and every shard with its header, sized in full."""
+        """Create the temporary folder and every shard with its header, its space reserved."""
         try:
             self.dest.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -145,20 +189,60 @@ class CheckpointWriter:
             for shard in self.shards:
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
-                self._pwrite_all(fd, shard.header, 0)
-                # Reserve the space now so a full disk fails here, before minutes of copying.
-                try:
-                    os.posix_fallocate(fd, 0, shard.size)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                        raise
-                    os.ftruncate(fd, shard.size)
+                pwrite_all(fd, shard.header, 0)
+                os.ftruncate(fd, shard.size)
+            for number in sorted({c.file for c in self.copies}):
+                self._src[number] = os.open(self._inputs[number], os.O_RDONLY)
+            self._probe_clones()
+            self._pieces = self._cut_copies()
+            self._reserve()
         except OSError as exc:
             self.abort()
             raise ExecutionError(f"{self.dest}: cannot create the output ({exc})") from exc
 
+    def _probe_clones(self) -> None:
+        """Find out, once per input filesystem, whether its blocks can be shared with ours.
+
+        A whole block of the input is cloned into a scratch file beside the shards: success
+        means every aligned clone from that filesystem will share extents; any refusal means
+        none will, and those bytes are copied.
+        """
+        stats = {number: os.fstat(fd) for number, fd in self._src.items()}
+        by_device: dict[int, bool] = {}
+        for number, st in sorted(stats.items(), key=lambda kv: -kv[1].st_size):
+            if st.st_dev not in by_device:
+                # The largest input of each filesystem: one with a whole block, if any has.
+                by_device[st.st_dev] = st.st_size >= _PROBE_BYTES and self._probe(self._src[number])
+            self._clones[number] = by_device[st.st_dev]
+            self._src_size[number] = st.st_size
+
+    def _probe(self, src_fd: int) -> bool:
+        assert self.tmp is not None
+        probe = self.tmp / ".clone-probe"
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            return clone(src_fd, 0, fd, 0, _PROBE_BYTES)
+        finally:
+            os.close(fd)
+            probe.unlink()
+
+    def _reserve(self) -> None:
+        """Reserve the space of every byte that will not be cloned, so that a full disk fails
+        here, before minutes of copying (cloned blocks are the input's and need none)."""
+        shared: list[list[tuple[int, int]]] = [[] for _ in self.shards]
+        for piece in self._pieces:
+            if piece.clone:
+                shared[piece.shard].append((piece.dst, piece.dst + piece.length))
+        for fd, shard, skip in zip(self._fds, self.shards, shared, strict=True):
+            position = 0
+            for begin, end in [*sorted(skip), (shard.size, shard.size)]:
+                if begin > position and not fallocate(fd, position, begin - position):
+                    break  # the filesystem cannot reserve space; the writes will allocate it
+                position = max(position, end)
+
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
+        self._close_inputs()
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -182,61 +266,69 @@ class CheckpointWriter:
             )
         return fd, begin + offset
 
-    def _done(self, name: str, length: int) -> None:
+    def _done(self, shard: int, length: int) -> None:
         with self._lock:
-            self._written[name] += length
-
-    @staticmethod
-    def _pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(fd, view, position)
-            view = view[n:]
-            position += n
+            self._written[shard] += length
 
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it."""
         length = memoryview(data).nbytes
         fd, position = self._check(name, offset, length)
-        self._pwrite_all(fd, data, position)
-        self._done(name, length)
+        pwrite_all(fd, data, position)
+        start_writeback(fd, position, length)
+        self._done(self._where[name][0], length)
 
     def copy_range(
         self, name: str, src_fd: int, src_offset: int, length: int, offset: int = 0
     ) -> None:
         """Copy ``length`` bytes of another file into tensor ``name``, in the kernel if possible."""
         fd, position = self._check(name, offset, length)
-        remaining = length
-        use_kernel = hasattr(os, "copy_file_range")
-        while remaining:
-            n = 0
-            if use_kernel:
-                try:
-                    n = os.copy_file_range(src_fd, fd, remaining, src_offset, position)
-                except OSError as exc:
-                    if exc.errno not in (
-                        errno.EXDEV,
-                        errno.ENOSYS,
-                        errno.EOPNOTSUPP,
-                        errno.EINVAL,
-                        errno.EBADF,
-                    ):
-                        raise
-                    use_kernel = False
-            if not use_kernel:
-                # Bounded chunks through user space, where the kernel copy is unavailable.
-                chunk = os.pread(src_fd, min(remaining, _COPY_CHUNK), src_offset)
-                self._pwrite_all(fd, chunk, position)
-                n = len(chunk)
-            if n == 0:
-                raise ExecutionError(
-                    f"source ended early while copying tensor {name!r}: the input changed or is "
-                    "truncated"
-                )
-            remaining -= n
-            src_offset += n
-            position += n
-        self._done(name, length)
+        copy(src_fd, src_offset, fd, position, length, name)
+        self._done(self._where[name][0], length)
+
+    def pieces(self) -> list[Piece]:
+        """The planned copies cut into pieces (once the writer is open): whole blocks at
+        congruent offsets are cloned where the input's filesystem can share them, in pieces of
+        up to 1 GiB; everything else is copied in pieces of up to 8 MiB cut at block
+        boundaries."""
+        return list(self._pieces)
+
+    def _cut_copies(self) -> list[Piece]:
+        out: list[Piece] = []
+        for c in self.copies:
+            head, middle = aligned_middle(c.src, c.dst, c.length)
+            if not self._clones.get(c.file) or not middle:
+                out += _cut(c, 0, c.length, False)
+                continue
+            if head + middle < c.length and self._at_both_ends(c):
+                middle = c.length - head  # up to the end of both files: the last block too
+            out += _cut(c, 0, head, False)
+            out += _cut(c, head, middle, True)
+            out += _cut(c, head + middle, c.length - head - middle, False)
+        return out
+
+    def _at_both_ends(self, c: Copy) -> bool:
+        end = c.src + c.length
+        return end == self._src_size[c.file] and c.dst + c.length == self.shards[c.shard].size
+
+    def transfer(self, piece: Piece) -> bool:
+        """Move one piece into the output; True if it was cloned (its extents now shared).
+
+        A clone the filesystem refuses after all falls back to a copy.
+        """
+        src_fd, fd = self._src[piece.file], self._fds[piece.shard]
+        cloned = piece.clone and clone(src_fd, piece.src, fd, piece.dst, piece.length)
+        if not cloned:
+            copy(src_fd, piece.src, fd, piece.dst, piece.length, self.shards[piece.shard].filename)
+            start_writeback(fd, piece.dst, piece.length)
+        self._done(piece.shard, piece.length)
+        return cloned
+
+    def _close_inputs(self) -> None:
+        for fd in self._src.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._src.clear()
 
     def add_file(self, name: str, data: bytes) -> None:
         """Add a small extra file (written at commit), e.g. a copied tokenizer file."""
@@ -254,7 +346,7 @@ class CheckpointWriter:
         assert self.tmp is not None
         fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            self._pwrite_all(fd, data, 0)
+            pwrite_all(fd, data, 0)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -264,26 +356,23 @@ class CheckpointWriter:
         if self.tmp is None:
             raise ExecutionError(f"{self.dest}: the writer is not open")
         try:
-            short = [n for n, w in self._written.items() if w != self._specs[n].nbytes]
-            if short:
-                raise ExecutionError(
-                    f"{self.dest}: {len(short)} tensor(s) were not written in full "
-                    f"(first: {short[0]!r}); nothing was committed"
-                )
+            for shard, written in zip(self.shards, self._written, strict=True):
+                expected = shard.size - len(shard.header)
+                if written != expected:
+                    raise ExecutionError(
+                        f"{self.dest}: {shard.filename} got {written:,} of its {expected:,} "
+                        "data bytes: tensors were not written in full; nothing was committed"
+                    )
+            self._close_inputs()
+            fsync_all(self._fds)
             for fd in self._fds:
-                os.fsync(fd)
                 os.close(fd)
             self._fds.clear()
             if len(self.shards) > 1:
                 weight_map = {
                     name: shard.filename for shard in self.shards for name in shard.offsets
                 }
-                index = {
-                    "metadata": {"total_size": sum(s.nbytes for s in self._specs.values())},
-                    "weight_map": weight_map,
-                }
-                data = json.dumps(index, indent=2, sort_keys=True) + "\n"
-                self._write_small(INDEX_NAME, data.encode())
+                self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
             if self.config is not None:
                 # Strict JSON: Python would write NaN, which no JSON reader takes.
                 text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
@@ -348,3 +437,30 @@ class CheckpointWriter:
                 f"at {old}: remove it once it can be (chmod u+w; chattr -i for an immutable "
                 "file)"
             ) from exc
+
+
+def _index_text(total_size: int, weight_map: Mapping[str, str]) -> str:
+    """``json.dumps(index, indent=2, sort_keys=True)`` plus a newline, written line by line:
+    json's indenting encoder is pure Python, and an index may list 100,000 tensors."""
+    entries = ",\n".join(
+        f"    {encode_basestring_ascii(name)}: {encode_basestring_ascii(weight_map[name])}"
+        for name in sorted(weight_map)
+    )
+    body = f"{{\n{entries}\n  }}" if weight_map else "{}"
+    head = f'{{\n  "metadata": {{\n    "total_size": {total_size}\n  }},\n'
+    return f'{head}  "weight_map": {body}\n}}\n'
+
+
+def _cut(c: Copy, begin: int, length: int, clone: bool) -> list[Piece]:
+    """``[begin, begin + length)`` of a copy as pieces ending on piece-size boundaries of the
+    output (block boundaries, so the input side stays congruent)."""
+    step = _CLONE_PIECE if clone else COPY_PIECE
+    out = []
+    position, end = c.dst + begin, c.dst + begin + length
+    while position < end:
+        stop = min(end, (position // step + 1) * step)
+        out.append(
+            Piece(c.file, c.src + position - c.dst, c.shard, position, stop - position, clone)
+        )
+        position = stop
+    return out

@@ -320,6 +320,10 @@ RuleOp = Literal[
     "permute",
     "reshape",
     "cast",
+    "add",
+    "mul",
+    "quantize",
+    "mask",
 ]
 
 
@@ -329,7 +333,9 @@ class Rule:
 
     ``dim``: split/chunk/merge/stack/unstack; ``sizes``: split/merge; ``over``: stack;
     ``dims``: transpose/permute; ``from_shape``/``to_shape``: reshape;
-    ``from_dtype``/``to_dtype``: cast.
+    ``from_dtype``/``to_dtype``: cast (``to_dtype`` also the result of add/mul/quantize);
+    ``value``, ``block``, ``compute``: add/mul (``block`` also quantize); ``size``,
+    ``plus_index``: mask.
     """
 
     op: RuleOp
@@ -345,6 +351,11 @@ class Rule:
     to_shape: Expr | None = None
     from_dtype: str | None = None
     to_dtype: str | None = None
+    value: Expr | None = None
+    block: Expr | None = None
+    compute: str | None = None
+    size: Expr | None = None
+    plus_index: bool = False
     loc: Loc = field(default=NOWHERE, compare=False)
 
 

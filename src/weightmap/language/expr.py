@@ -192,14 +192,37 @@ def compile_expr(e: A.Expr) -> Fn:
         return lambda s: then(s) if truth(cond(s), loc) else orelse(s)
     if isinstance(e, A.Exists):
         pattern = e.pattern
+        names = {c.name for c in pattern.captures}
 
         def exists(s: Scope) -> bool:
             if s.exists is None:
                 raise EvalError("`exists` is only available where input tensors are known", loc)
+            if names & s.captures.keys():
+                # In a rule, `{x}` is the tensor's own capture: `where exists
+                # "{x}.weight_scale_inv"` asks about this tensor's partner.
+                return s.exists(bind(pattern, s.captures))
             return s.exists(pattern)
 
         return exists
     raise TypeError(f"unknown expression {e!r}")  # pragma: no cover
+
+
+def bind(pattern: A.Pattern, captures: dict[str, Any]) -> A.Pattern:
+    """``pattern`` with the captures bound in ``captures`` replaced by their values."""
+    parts: list[A.PatPart] = []
+    for part in pattern.parts:
+        if isinstance(part, A.Capture) and part.name in captures:
+            value = str(captures[part.name])
+            if parts and isinstance(parts[-1], str):
+                parts[-1] += value
+            else:
+                parts.append(value)
+        elif isinstance(part, str) and parts and isinstance(parts[-1], str):
+            parts[-1] += part
+        else:
+            parts.append(part)
+    return A.Pattern(text="".join(p if isinstance(p, str) else "{}" for p in parts),
+                     parts=tuple(parts), loc=pattern.loc)  # fmt: skip
 
 
 def _binop(e: A.BinOp) -> Fn:

@@ -389,8 +389,12 @@ class _Builder:
                 strings.append(x.children[0])
             elif x.data == "from_shape":
                 fields["from_shape"] = self.expr(x.children[0], loc)
-            elif x.data in ("sizes", "dim", "dims", "where"):
+            elif x.data in ("sizes", "dim", "dims", "where", "value", "block"):
                 fields[str(x.data)] = self.expr(x.children[0], loc)
+            elif x.data in ("compute", "to_dtype"):
+                fields[str(x.data)] = str(x.children[0])
+            elif x.data == "plus_index":
+                fields["plus_index"] = True
             else:  # a bare expression child: split's dim/sizes, permute's dims, reshape's to
                 fields.setdefault("_exprs", []).append(self.expr(x, loc))
         exprs = fields.pop("_exprs", [])
@@ -402,6 +406,8 @@ class _Builder:
             fields["dims"] = exprs[0]
         elif op == "reshape":
             fields["to_shape"] = exprs[0]
+        elif op == "mask":
+            fields["size"] = exprs[0]
         n_in = len(strings) if op in ("keep", "drop") else _count_input_strings(t)
         patterns = tuple(self.pattern(s) for s in strings[:n_in])
         outputs = tuple(self.template(s) for s in strings[n_in:])
@@ -412,8 +418,8 @@ class _Builder:
 
 
 def _count_input_strings(t: Tree[Any]) -> int:
-    """Input patterns of a rule: merge/stack list them before `dim`; others have one."""
-    if t.data not in ("merge", "stack"):
+    """Input patterns of a rule: merge/stack/add/mul list them first; others have one."""
+    if t.data not in ("merge", "stack", "add", "mul"):
         return 1
     for x in t.children:
         if isinstance(x, Tree) and x.data == "strings":

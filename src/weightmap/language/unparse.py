@@ -12,9 +12,10 @@ __all__ = ["pattern_text", "template_text", "unparse", "unparse_expr"]
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WORDS = (
     "weightmap param include unmatched require else warn if rename keep drop copy split chunk "
-    "merge stack unstack transpose permute reshape cast dim dims sizes over to from where config "
+    "merge stack unstack transpose permute reshape cast add mul quantize mask block size plus "
+    "index dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error "
-    "files file add"
+    "files file"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
@@ -118,10 +119,41 @@ def _path(path: tuple[str, ...]) -> str:
     return ".".join(s if _IDENT.match(s) and s not in _KEYWORDS else _s(s) for s in path)
 
 
+# Values, blocks and mask sizes are read at the `+`/`-` level (so `in bf16` after them is the
+# compute dtype): anything looser is written in parentheses.
+_ARITH = 5
+
+
+def _value_rule(r: A.Rule, pats: str, outs: str) -> str:
+    """add / mul / quantize / mask, in their grammar's order."""
+    words = [r.op + ("?" if r.optional else ""), pats]
+    if r.op == "quantize":
+        words.append(f"to {r.to_dtype}")
+    if r.op == "mask" and r.size is not None:
+        words.append(f"size {unparse_expr(r.size, _ARITH)}")
+    if r.plus_index:
+        words.append("plus index")
+    if r.value is not None:
+        words.append(unparse_expr(r.value, _ARITH))
+    if r.block is not None:
+        words.append(f"block {unparse_expr(r.block, _ARITH)}")
+    if r.compute:
+        words.append(f"in {r.compute}")
+    if r.to_dtype and r.op != "quantize":
+        words.append(f"to {r.to_dtype}")
+    if outs:
+        words.append(f"-> {outs}")
+    if r.where is not None:
+        words.append(f"where {unparse_expr(r.where)}")
+    return " ".join(words)
+
+
 def _rule(r: A.Rule) -> str:
-    words = [r.op + ("?" if r.optional else "")]
     pats = ", ".join(_s(p.text) for p in r.patterns)
     outs = ", ".join(_s(t.text) for t in r.outputs)
+    if r.op in ("add", "mul", "quantize", "mask"):
+        return _value_rule(r, pats, outs)
+    words = [r.op + ("?" if r.optional else "")]
     words.append(pats)
     if r.from_dtype:
         words.append(f"from {r.from_dtype}")

@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Cast,
+    Concat,
+    Mask,
+    Node,
+    Permute,
+    Quantize,
+    Reshape,
+    Slice,
+    Source,
+    Stack,
+)
 
 if TYPE_CHECKING:
     from weightmap.plan.plan import Plan
@@ -38,10 +51,29 @@ def _op(node: Node) -> str:
         inner, here = _op(node.src), f"permute {list(node.perm)}"
     elif isinstance(node, Reshape):
         inner, here = _op(node.src), f"reshape {list(node.shape)}"
+    elif isinstance(node, Arith):
+        inner = _op(node.src)
+        here = f"{node.op} {node.value} in {node.compute}" + _to(node.src.dtype, node.dtype)
+    elif isinstance(node, Binary):
+        inner = _op(node.a)
+        other = node.b.sources()[0].name if node.b.sources() else "?"
+        block = f" block {list(node.block)}" if node.block else ""
+        here = f"{node.op} {other}{block} in {node.compute}" + _to(node.a.dtype, node.dtype)
+    elif isinstance(node, Quantize):
+        inner = _op(node.src)
+        what = "values" if node.part == "values" else "scales (F32)"
+        here = f"quantize {node.fp8} block {list(node.block)}: {what}"
+    elif isinstance(node, Mask):
+        inner = _op(node.src)
+        here = f"mask size {node.size}" + (" plus index" if node.plus_index else "")
     else:
         assert isinstance(node, Cast)
         inner, here = _op(node.src), f"cast {node.src.dtype}->{node.dtype}"
     return here if inner == "=" else f"{inner}, {here}"
+
+
+def _to(src: str, dst: str) -> str:
+    return f" -> {dst}" if dst != src else ""
 
 
 def explain(plan: Plan) -> str:

@@ -13,10 +13,14 @@ from typing import Any
 from weightmap.format.dtypes import DTYPES
 
 __all__ = [
+    "Arith",
+    "Binary",
     "Cast",
     "Concat",
+    "Mask",
     "Node",
     "Permute",
+    "Quantize",
     "Reshape",
     "Slice",
     "Source",
@@ -161,6 +165,93 @@ class Cast(Node):
         return f"cast({self.src.describe()}, {self.dtype})"
 
 
+@dataclass(frozen=True, kw_only=True)
+class Arith(Node):
+    """``src`` plus or times a constant (add, mul).
+
+    ``src`` is converted to the ``compute`` dtype, combined with ``value`` there (torch's
+    arithmetic in that dtype, rounding once), and the result rounded to the node's ``dtype``.
+    """
+
+    src: Node
+    op: str  # "add" or "mul"
+    value: int | float
+    compute: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"{self.op}({self.src.describe()}, {self.value}, in {self.compute})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binary(Node):
+    """``a`` plus or times ``b``, elementwise; ``b`` is broadcast over blocks of ``a``.
+
+    ``block`` gives, for the last ``len(block)`` dims of ``a``, how many of its elements each
+    element of ``b`` covers (``b``'s size there is the ceiling of ``a``'s over the block, a
+    partial block at the end taking the last entry); ``b`` matches ``a`` in the other dims.
+    Both are converted to ``compute``, combined there, and rounded to the node's ``dtype``:
+    fp8 dequantization is ``mul(weight, weight_scale_inv)`` in float32, to bfloat16.
+    """
+
+    a: Node
+    b: Node
+    op: str  # "add" or "mul"
+    block: tuple[int, ...]
+    compute: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.a, self.b)
+
+    def describe(self) -> str:
+        block = f", block {list(self.block)}" if self.block else ""
+        return f"{self.op}({self.a.describe()}, {self.b.describe()}{block}, in {self.compute})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantize(Node):
+    """Block-scaled float8 quantization of ``src`` over blocks of its last two dims.
+
+    Per block, in float32: ``scale = fp8_max / amax(|block|)`` (1 for an all-zero block, as
+    transformers' ``Fp8Quantize``); ``part`` "values" is ``clamp(block * scale)`` converted to
+    the node's float8 ``dtype``, "scales" is ``1 / scale`` (float32, one per block, the
+    ``weight_scale_inv`` layout). A partial block at an edge is a block of the elements it has.
+    """
+
+    src: Node
+    block: tuple[int, int]
+    part: str  # "values" or "scales"
+    fp8: str  # the float8 dtype of the values (its maximum sets the scale)
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"quantize_{self.part}({self.src.describe()}, {self.fp8}, block {list(self.block)})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mask(Node):
+    """A boolean vector of length ``size``, true at the positions ``src`` holds.
+
+    With ``plus_index`` the position of element ``i`` is ``src[i] + i`` (EAGLE-3's ``t2d`` from
+    ``d2t``). A position out of range, or twice, is an execution error.
+    """
+
+    src: Node
+    size: int
+    plus_index: bool
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        plus = " plus index" if self.plus_index else ""
+        return f"mask({self.src.describe()}, size {self.size}{plus})"
+
+
 def int_cast_fits(src: str, dst: str) -> bool:
     """True unless ``src`` -> ``dst`` is an integer cast that can lose values."""
     a, b = DTYPES[src], DTYPES[dst]
@@ -184,6 +275,15 @@ def node_to_dict(n: Node) -> dict[str, Any]:
         d.update(src=node_to_dict(n.src), perm=list(n.perm))
     elif isinstance(n, (Reshape, Cast)):
         d["src"] = node_to_dict(n.src)
+    elif isinstance(n, Arith):
+        d.update(src=node_to_dict(n.src), arith=n.op, value=n.value, compute=n.compute)
+    elif isinstance(n, Binary):
+        d.update(a=node_to_dict(n.a), b=node_to_dict(n.b), arith=n.op, block=list(n.block))
+        d["compute"] = n.compute
+    elif isinstance(n, Quantize):
+        d.update(src=node_to_dict(n.src), block=list(n.block), part=n.part, fp8=n.fp8)
+    elif isinstance(n, Mask):
+        d.update(src=node_to_dict(n.src), size=n.size, plus_index=n.plus_index)
     return d
 
 
@@ -205,4 +305,19 @@ def node_from_dict(d: dict[str, Any]) -> Node:
         return Reshape(dtype=dt, shape=shape, src=node_from_dict(d["src"]))
     if op == "cast":
         return Cast(dtype=dt, shape=shape, src=node_from_dict(d["src"]))
+    if op == "arith":
+        src = node_from_dict(d["src"])
+        return Arith(dtype=dt, shape=shape, src=src, op=d["arith"], value=d["value"],
+                     compute=d["compute"])  # fmt: skip
+    if op == "binary":
+        a, b = node_from_dict(d["a"]), node_from_dict(d["b"])
+        return Binary(dtype=dt, shape=shape, a=a, b=b, op=d["arith"], block=tuple(d["block"]),
+                      compute=d["compute"])  # fmt: skip
+    if op == "quantize":
+        block = (d["block"][0], d["block"][1])
+        return Quantize(dtype=dt, shape=shape, src=node_from_dict(d["src"]), block=block,
+                        part=d["part"], fp8=d["fp8"])  # fmt: skip
+    if op == "mask":
+        return Mask(dtype=dt, shape=shape, src=node_from_dict(d["src"]), size=d["size"],
+                    plus_index=d["plus_index"])  # fmt: skip
     raise ValueError(f"unknown plan node {op!r}")

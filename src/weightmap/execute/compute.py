@@ -1,0 +1,194 @@
+"""Computing one output tensor in chunks, in bounded memory, over memory-mapped inputs.
+
+Each chunk is a slice along one output dimension, small enough that its intermediates stay
+within the chunk budget; it is computed from views of only the input regions it needs
+(``chunks.py``) into a buffer the thread reuses, and written at its offset. The input pages a
+chunk read are unmapped once it is written (``Checkpoint.release``), so the process's resident
+memory stays at the chunk budget plus the interpreter and torch whatever the input's size; a
+tensor read out of order (a transpose reads every input row for each chunk) keeps its input
+pages until it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightmap.errors import ExecutionError
+from weightmap.execute.chunks import chunk_plan, region, tree_nodes
+from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
+from weightmap.execute.nans import settle, strategy
+from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.dtypes import DTYPES, nbytes, numel
+from weightmap.format.writer import CheckpointWriter
+from weightmap.plan.nodes import Cast, Node, Source, int_cast_fits
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Computer"]
+
+
+class Computer:
+    """Computes output tensors into a writer, chunk by chunk; one instance serves all threads.
+
+    ``where`` maps each input tensor to its file and the absolute ``[begin, end)`` of its
+    bytes, to unmap what a chunk read. ``report(n)`` is called with the bytes of each written chunk;
+    ``checksums`` (when not None) receives each tensor's CRC-32.
+    """
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        writer: CheckpointWriter,
+        where: Mapping[str, tuple[Path, int, int]],
+        chunk_bytes: int,
+        report: Callable[[int], None],
+        checksums: dict[str, int] | None,
+    ) -> None:
+        self.ckpt = ckpt
+        self.writer = writer
+        self.where = where
+        self.chunk_bytes = chunk_bytes
+        self.report = report
+        self.checksums = checksums
+        # One output buffer per thread, reused chunk after chunk: a fresh allocation per chunk
+        # costs a page fault per page (and its zeroing) every time.
+        self._scratch = threading.local()
+
+    def run(self, name: str, node: Node) -> None:
+        """Compute output ``name`` and write it; afterwards no page of its inputs stays mapped."""
+        opaque = sorted({n.dtype for n in tree_nodes(node)} & OPAQUE_DTYPES)
+        if opaque:
+            raise ExecutionError(
+                f"{name}: {opaque[0]} data can only be renamed, kept, reshaped, or split and "
+                "merged along whole bytes; this rule needs arithmetic on it"
+            )
+        try:
+            crc = self._chunks(name, node)
+        finally:
+            for src in {n.name for n in tree_nodes(node) if isinstance(n, Source)}:
+                self.ckpt.release(*self.where[src])
+        if self.checksums is not None:
+            self.checksums[name] = crc
+
+    def _chunks(self, name: str, node: Node) -> int:
+        if nbytes(node.dtype, node.shape) == 0:
+            return 0
+        dim, step = chunk_plan(node, self.chunk_bytes)
+        extent = node.shape[dim] if node.shape else 1
+        crc = 0
+        offset = 0
+        for start in range(0, max(extent, 1), step):
+            stop = min(extent, start + step)
+            seen: list[tuple[str, torch.Tensor]] = []
+            if node.shape:
+                data = self._chunk(node, dim, start, stop, name, seen)
+            else:
+                data = memoryview(tensor_bytes(evaluate(node, self.ckpt.view, name)))
+            if data.nbytes:
+                self.writer.write(name, data, offset)
+                if self.checksums is not None:
+                    crc = zlib.crc32(data, crc)
+            offset += data.nbytes
+            self.report(data.nbytes)
+            del data
+            self._release(seen)
+        return crc
+
+    def _release(self, seen: list[tuple[str, torch.Tensor]]) -> None:
+        """Unmap the input read by a chunk, where it was one contiguous range: the next chunk
+        reads the range after it. Views read out of order wait for the tensor's end."""
+        for src, view in seen:
+            if not view.numel() or not view.is_contiguous():
+                continue
+            path, begin, _ = self.where[src]
+            base = self.ckpt.view(src)
+            start = begin + view.data_ptr() - base.data_ptr()
+            self.ckpt.release(path, start, start + view.numel() * view.element_size())
+
+    def _chunk(
+        self,
+        node: Node,
+        dim: int,
+        start: int,
+        stop: int,
+        name: str,
+        seen: list[tuple[str, torch.Tensor]],
+    ) -> memoryview:
+        """The bytes of ``node`` over ``[start, stop)`` along ``dim``, without a copy to bytes.
+
+        A cast at the top (the common whole-checkpoint cast) converts straight from the
+        memory-mapped input into the thread's buffer: ``copy_`` is what ``Tensor.to`` does
+        after allocating. Integer casts that may lose values keep the checked path.
+        """
+        if (
+            isinstance(node, Cast)
+            and node.src.dtype != node.dtype
+            and int_cast_fits(node.src.dtype, node.dtype)
+        ):
+            src = region(node.src, dim, start, stop, self.ckpt.view, name, seen)
+            out = self._buffer(DTYPES[node.dtype].torch(), tuple(src.shape))
+            how = strategy(src.dtype, out.dtype)  # NaN bits independent of chunks (nans.py)
+            if how == "contiguous" and not src.is_contiguous():
+                staged = self._buffer(src.dtype, tuple(src.shape), slot=2)
+                self._copy_into(staged, src)  # same dtype: moves bytes, converts nothing
+                src = staged
+            self._copy_into(out, src)
+            if how == "settle":
+                settle(out, src)
+            return _memory(out)
+        part = region(node, dim, start, stop, self.ckpt.view, name, seen)
+        if part.is_contiguous():
+            return _memory(part)
+        out = self._buffer(part.dtype, tuple(part.shape))
+        self._copy_into(out, part)
+        return _memory(out)
+
+    def _copy_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
+        """``out.copy_(src)``; a transposed view is first gathered in its own memory order.
+
+        Copied directly, a transposed view reads every element from a different row of the
+        input, a cache miss each. Gathering the view's rows into a compact block reads the
+        input in order, and the copy out of that block is a permute of a contiguous tensor,
+        which torch transposes in cache-sized tiles (2-D). Same elements, same result.
+        """
+        if src.dim() < 2 or src.stride(-1) == 1:
+            out.copy_(src)
+            return
+        strides = src.stride()
+        order = sorted(range(src.dim()), key=lambda d: -strides[d])
+        staged = src.permute(order)
+        block = self._buffer(src.dtype, tuple(staged.shape), slot=1)
+        block.copy_(staged)
+        inverse = [0] * len(order)
+        for i, d in enumerate(order):
+            inverse[d] = i
+        out.copy_(block.permute(inverse))
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
+        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``."""
+        import torch
+
+        size = numel(shape) * dtype.itemsize
+        bufs: dict[int, torch.Tensor] = self._scratch.__dict__.setdefault("bufs", {})
+        buf = bufs.get(slot)
+        if buf is None or buf.numel() < size:
+            bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
+            buf = bufs[slot] = torch.empty(size, dtype=torch.uint8)
+        return buf[:size].view(dtype).view(shape)
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of a contiguous tensor, as a view (the bytes ``tensor_bytes`` gives)."""
+    import torch
+
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().data

@@ -1,0 +1,133 @@
+"""Moving bytes into a file in the kernel: clones, copies, reservations, writeback, fsync.
+
+The system calls the writer is built on, each with the fallbacks it needs where a filesystem
+or kernel lacks it: ``FICLONERANGE`` (share extents, or refuse), ``copy_file_range`` (or
+``pread``/``pwrite``), ``posix_fallocate``, ``sync_file_range``, and fsyncs that run together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import struct
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from weightmap.errors import ExecutionError
+
+__all__ = ["clone", "copy", "fallocate", "fsync_all", "pwrite_all", "start_writeback"]
+
+_COPY_CHUNK = 64 * 1024 * 1024
+# linux/fs.h: _IOW(0x94, 13, struct file_clone_range)
+_FICLONERANGE = 0x4020940D
+# Errors of a clone that mean "not here" (not "something broke"): fall back to a copy.
+_NO_CLONE = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
+)
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
+# Writes at least this large are handed to the disk at once (see start_writeback).
+_WRITEBACK_MIN = 64 * 1024
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
+    """Write all of ``data`` at ``position``, however many calls it takes."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, position)
+        view = view[n:]
+        position += n
+
+
+def fsync_all(fds: Sequence[int]) -> None:
+    """fsync every shard, several at once: the filesystem's journal then commits them together
+    instead of once per file (48 shards took 48 journal commits one after the other)."""
+    if len(fds) <= 1:
+        for fd in fds:
+            os.fsync(fd)
+        return
+    with ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool:
+        list(pool.map(os.fsync, fds))
+
+
+def clone(src_fd: int, src: int, fd: int, dst: int, length: int) -> bool:
+    """FICLONERANGE: share ``length`` bytes of ``src_fd`` at ``src`` into ``fd`` at ``dst``.
+
+    The filesystem either shares the extents or refuses; it never copies. False where it
+    refuses (no reflink support, another filesystem, offsets it cannot share).
+    """
+    arg = struct.pack("qQQQ", src_fd, src, length, dst)
+    try:
+        fcntl.ioctl(fd, _FICLONERANGE, arg)
+    except OSError as exc:
+        if exc.errno in _NO_CLONE:
+            return False
+        raise
+    return True
+
+
+def copy(src_fd: int, src: int, fd: int, dst: int, length: int, what: str) -> None:
+    """Copy ``length`` bytes between files, in the kernel where possible."""
+    remaining = length
+    use_kernel = hasattr(os, "copy_file_range")
+    while remaining:
+        n = 0
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, fd, remaining, src, dst)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                use_kernel = False
+        if not use_kernel:
+            # Bounded chunks through user space, where the kernel copy is unavailable.
+            chunk = os.pread(src_fd, min(remaining, _COPY_CHUNK), src)
+            pwrite_all(fd, chunk, dst)
+            n = len(chunk)
+        if n == 0:
+            raise ExecutionError(
+                f"source ended early while copying into {what}: the input changed or is truncated"
+            )
+        remaining -= n
+        src += n
+        dst += n
+
+
+def fallocate(fd: int, offset: int, length: int) -> bool:
+    """Reserve disk space; False where the filesystem cannot (the file is then sparse)."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        return False
+    return True
+
+
+_sync_range: Callable[[int, int, int, int], int] | None = None
+_sync_range_missing = False
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing these bytes to disk now, without waiting.
+
+    The commit fsyncs every shard; started early, the disk writes overlap the rest of the
+    conversion instead of all waiting for that fsync. Only a hint (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so any failure just turns it off.
+    """
+    global _sync_range, _sync_range_missing
+    if _sync_range_missing or length < _WRITEBACK_MIN:
+        return
+    if _sync_range is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        except (AttributeError, OSError):
+            _sync_range_missing = True
+            return
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _sync_range = fn
+    if _sync_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        _sync_range_missing = True
