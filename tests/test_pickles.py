@@ -76,6 +76,19 @@ def test_conversion_is_exact_and_copies_in_the_kernel(tmp_path: Path) -> None:
         assert diff_checkpoints(a, b).same and plain.bytes_written
 
 
+def test_a_cast_reads_the_archive_in_chunks(tmp_path: Path) -> None:
+    """Computed from the mapped archive a few rows at a time, its pages released as it goes."""
+    torch.manual_seed(1)
+    state = {"w": torch.randn(300, 64), "v": torch.randn(50, 7), "t": torch.randn(9, 33).t()}
+    (tmp_path / "in").mkdir()
+    torch.save(state, tmp_path / "in" / "pytorch_model.bin")
+    mapping = 'weightmap 1\ncast "**" to bf16\n'
+    weightmap.remap(tmp_path / "in", tmp_path / "out", mapping=mapping, chunk_bytes=4096)
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    for name, t in state.items():
+        assert torch.equal(out[name], t.to(torch.bfloat16)), name
+
+
 def test_training_checkpoints_keep_weights_one_level_down(tmp_path: Path) -> None:
     optimizer = {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.1}]}
     weights = {"w": torch.arange(4.0)}

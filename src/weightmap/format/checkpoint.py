@@ -23,7 +23,7 @@ from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.lock import folder_lock
-from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle
+from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle, release_pages
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
@@ -536,6 +536,13 @@ class Checkpoint:
         pages (the map is copy-on-write): only for readers that never write to their views,
         never on a checkpoint whose views were handed out.
         """
+        header = self.headers.get(path)
+        if isinstance(header, PickleHeader):
+            with self._lock:
+                tensors = self._loaded.get(path)
+            if tensors is not None:
+                release_pages(header, tensors, begin, end)
+            return
         with self._lock:
             mm = self._maps.get(path)
         if mm is None or end <= begin:

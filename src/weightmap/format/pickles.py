@@ -25,6 +25,8 @@ dict of tensors.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import pickle
 import re
@@ -44,7 +46,14 @@ from weightmap.format.header import Header, TensorInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PICKLE_SUFFIXES", "STATE_DICT_KEYS", "PickleHeader", "is_pickle", "read_pickle"]
+__all__ = [
+    "PICKLE_SUFFIXES",
+    "STATE_DICT_KEYS",
+    "PickleHeader",
+    "is_pickle",
+    "read_pickle",
+    "release_pages",
+]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Training checkpoints keep the weights one level down; other entries (optimizer, epoch) are
@@ -260,3 +269,38 @@ def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, t
         strided=frozenset(strided),
     )
     return header, tensors
+
+
+_MADV_DONTNEED = 4  # Linux; mmap.MADV_DONTNEED where Python defines it
+
+
+def release_pages(
+    header: PickleHeader, tensors: Mapping[str, torch.Tensor], begin: int, end: int
+) -> None:
+    """Drop from this process the mapped pages of bytes ``[begin, end)`` of the file.
+
+    torch maps the whole file once; its start is found from a tensor with a byte range (its
+    address minus its file offset) and must be page-aligned, or nothing is done. As
+    ``Checkpoint.release`` for safetensors: the bytes stay in the page cache, a later read maps
+    them again, and anything written through a view of those pages is lost, so only for
+    readers that never write to their views.
+    """
+    anchor = next(
+        (n for n, info in header.tensors.items() if info.nbytes and n not in header.strided), None
+    )
+    if anchor is None or end <= begin or not hasattr(ctypes, "CDLL"):
+        return
+    base = tensors[anchor].data_ptr() - header.tensors[anchor].begin
+    page = mmap.PAGESIZE
+    if base % page:
+        return
+    start = begin - begin % page
+    stop = min(end + -end % page, header.file_size + -header.file_size % page)
+    if stop <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(base + start, stop - start, getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED))
+    except (AttributeError, OSError):  # no madvise here: the pages stay, which is only memory
+        return
