@@ -333,8 +333,8 @@ def test_round_trip_is_byte_identical(example: Path, tmp_path: Path) -> None:
     ).read_bytes()
     original = json.loads((example / "config.json").read_text())
     back = json.loads((tmp_path / "back" / "config.json").read_text())
-    # auto_map points at a config.py that speculators saves beside its weights; a converted
-    # folder has none, so the reverse does not claim one.
+    # auto_map points at a config.py that speculators saves beside its weights; the example
+    # ships none, so the reverse does not claim one (test_sidefiles.py: where it does).
     del original["auto_map"]
     assert back == original
 

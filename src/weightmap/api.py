@@ -13,13 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
-from weightmap.errors import ExecutionError, WeightmapError
+from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.inplace import rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
+from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.layout import Layouts
+from weightmap.format.hub import HubRepo, looks_like_repo_id
+from weightmap.format.layout import CONFIG_NAME, Layouts
+from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
@@ -94,19 +97,75 @@ def compile(
     preset: str | None = None,
     mapping: PathLike | RuleMapping | None = None,
     params: Mapping[str, Any] | None = None,
+    side_files: bool = True,
 ) -> Plan:
     """Compile a mapping against a checkpoint's headers and config into a :class:`Plan`.
 
-    Reads no tensor data; every problem is reported at once as a ``MappingError``.
+    Reads no tensor data; every problem is reported at once as a ``MappingError``. The plan
+    lists the side files a conversion would carry (``side_files=False``: none).
 
     >>> plan = compile("examples/eagle3-speculators", preset="eagle3-sglang")
     >>> print(plan.explain())                                   # doctest: +SKIP
     """
     rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
-        return compile_plan(rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}))
-    with Checkpoint.open(checkpoint) as ckpt:
-        return compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        src = _Source(checkpoint.root, True)
+        files = src.side_files(checkpoint, rules, side_files, None)
+        return compile_plan(
+            rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}), files=files
+        )
+    src = _Source.resolve(checkpoint, rules.config_file, progress=False)
+    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+        files = src.side_files(ckpt, rules, side_files, None)
+        return compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
+        )
+
+
+def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
+    """Open a local checkpoint, or a Hub repository id's (its weights and config fetched
+    into huggingface_hub's cache first)."""
+    src = _Source.resolve(checkpoint, config_name, progress=sys.stderr.isatty())
+    return Checkpoint.open(src.path, config_name=config_name)
+
+
+@dataclass
+class _Source:
+    """What the caller named as the input: a local folder or file, or a Hub repository id
+    (``org/name[@revision]``) resolved into huggingface_hub's cache."""
+
+    path: PathLike
+    folder: bool
+    repo: HubRepo | None = None
+    listing: dict[str, int] | None = None
+
+    @classmethod
+    def resolve(cls, checkpoint: PathLike, config_name: str, *, progress: bool) -> _Source:
+        given = os.fspath(checkpoint)
+        if Path(given).exists() or not looks_like_repo_id(given):
+            return cls(checkpoint, Path(given).is_dir())
+        repo = HubRepo(given)
+        listing = repo.files()
+        wanted = repo.checkpoint_files(listing, config_name)
+        return cls(repo.fetch(wanted, progress=progress), True, repo, listing)
+
+    def side_files(
+        self, ckpt: Checkpoint, rules: RuleMapping, carry: bool, out: PathLike | None
+    ) -> FolderFiles | None:
+        """The side files to carry: those of the input folder (or repository); none for a
+        file given alone (its folder may be any folder) or when carrying is off."""
+        if not carry or not self.folder:
+            return None
+        if self.repo is not None and self.listing is not None:
+            return self.repo.side_files(self.listing, rules.config_file)
+        exclude = [Path(out)] if out is not None else []
+        return list_side_files(ckpt.root, config_name=rules.config_file, exclude=exclude)
+
+    def fetch(self, plan: Plan, *, progress: bool) -> None:
+        """Download the side files the plan carries from a repository (the cache first)."""
+        wanted = [f.source for f in plan.files if f.source is not None]
+        if self.repo is not None and wanted:
+            self.repo.fetch(wanted, progress=progress)
 
 
 def _progress_fn(
@@ -154,12 +213,20 @@ def remap(
     progress: bool | ProgressCallback | None = None,
     workers: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    side_files: bool = True,
+    on_plan: Callable[[Plan], None] | None = None,
     layout: Layouts = "clone",
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
-    - ``checkpoint``: a folder (``model.safetensors`` or shards + index, optional config.json)
-      or one ``.safetensors`` file.
+    - ``checkpoint``: a folder (``model.safetensors`` or shards + index, or PyTorch's
+      ``pytorch_model.bin``, sharded ``.bin`` + index, one ``.pt``/``.pth``; optional
+      config.json), one such file, or a Hugging Face repository id ``org/name[@revision]``
+      (with the ``hub`` extra: the cache first, then only the files the plan needs).
+    - ``side_files``: carry the folder's other files (tokenizer, generation config, README...)
+      into ``out``, byte for byte, as the mapping's ``files { }`` blocks say; False writes
+      the weights and config.json alone.
+    - ``on_plan(plan)`` is called once the plan is made, before any byte is written.
     - ``preset`` names a mapping from :func:`presets`; ``mapping`` is a file path or rule text.
       ``params`` overrides the mapping's ``param`` defaults.
     - ``dry_run=True`` compiles and returns the plan, writing nothing.
@@ -187,11 +254,29 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
-    with Checkpoint.open(checkpoint) as ckpt:
-        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+    if out is not None:
+        _check_destination(Path(out))
+    bars = progress is True or (progress is None and sys.stderr.isatty())
+    src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
+    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+        carried = src.side_files(ckpt, rules, side_files and not inplace, out)
+        plan = compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
+        )
+        if on_plan is not None:
+            on_plan(plan)
+        if not dry_run:
+            src.fetch(plan, progress=bars)
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
+            if ckpt.format != "safetensors":
+                raise CheckpointError(
+                    "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
+                    "converted into a new folder (give an output folder instead)",
+                    path=ckpt.root,
+                    rule="inplace-format",
+                )
             files = rewrite_inplace(plan, ckpt)
             return Result(
                 plan=plan,
@@ -217,7 +302,10 @@ def remap(
     return Result(
         plan=plan,
         dest=dest,
-        paths=tuple(dest / s.filename for s in writer.shards),
+        paths=(
+            *(dest / s.filename for s in writer.shards),
+            *(dest / f.name for f in plan.files),
+        ),
         bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
         bytes_copied=stats.bytes_copied,
         bytes_cloned=stats.bytes_cloned,
@@ -225,6 +313,23 @@ def remap(
         seconds=time.perf_counter() - start,
         verified=verify,
         checksums=dict(stats.checksums or {}),
+    )
+
+
+# Names that say "a file": a destination called so is almost always meant as the output file,
+# while weightmap writes a folder.
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
+
+
+def _check_destination(out: Path) -> None:
+    """Refuse a destination named like a file (``out/model.safetensors``) before any work."""
+    if out.is_dir() or not out.name.lower().endswith(_FILE_SUFFIXES):
+        return
+    raise ValueError(
+        f"{out} is named like a file, but the destination is a folder: weightmap writes "
+        f"model.safetensors (or shards and an index), config.json and the side files inside "
+        f"it; give the folder ({out.parent / out.stem}), or create a folder of that name "
+        "first and pass overwrite=True (--overwrite)"
     )
 
 
@@ -240,13 +345,17 @@ def _write(
     checksum: bool,
     layout: Layouts,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
-    """Run the streaming executor with the progress display the caller asked for."""
-    total = sum(s.nbytes for s in plan.output_specs())
+    """Run the streaming executor with the progress display the caller asked for; the side
+    files go into the same temporary folder, before it is committed."""
+    total = sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files)
     tick, close = _progress_fn(progress, total)
 
     def check(folder: Path, stats: ExecutionStats) -> None:
+        write_side_files(plan.files, ckpt.root, folder, tick)
+        if not checksum:
+            return
         # The finished output, before it is moved into place: a failure commits nothing.
-        problems = verify(folder, plan, stats.checksums or {})
+        problems = _check_output(folder, plan, stats.checksums or {}, ckpt.root)
         if problems:
             raise ExecutionError(
                 f"{out}: verification failed: {'; '.join(problems[:5])}"
@@ -266,7 +375,7 @@ def _write(
             checksum=checksum,
             progress=tick,
             metadata={"format": "pt", **ckpt.metadata},
-            before_commit=check if checksum else None,
+            before_commit=check,
             layout=layout,
         )
     finally:
@@ -286,7 +395,9 @@ def verify(
     ``checksums`` (output name -> CRC-32, as ``Result.checksums`` holds after ``verify=True``)
     or, given ``source`` (the input checkpoint), with the outputs recomputed from it. Without
     either for every output that has bytes there is nothing to compare the bytes with, and
-    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine.
+    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine. Side files
+    are compared with the plan (present, sizes, added text) and, given a ``source`` folder,
+    with the input's files byte for byte.
 
     >>> result = remap(src, "out", preset="eagle3-sglang", verify=True)   # doctest: +SKIP
     >>> verify("out", result.plan, result.checksums)                      # doctest: +SKIP
@@ -303,13 +414,22 @@ def verify(
                 "bytes cannot be verified: pass the checksums of a run with verify=True "
                 "(Result.checksums), or source= the input checkpoint to recompute them"
             )
-    elif isinstance(source, Checkpoint):
-        checksums = _recomputed(plan, source)
-    else:
-        with Checkpoint.open(source) as ckpt:
-            checksums = _recomputed(plan, ckpt)
+        return _check_output(Path(dest), plan, checksums, None)
+    if isinstance(source, Checkpoint):
+        return _check_output(Path(dest), plan, _recomputed(plan, source), source.root)
+    with Checkpoint.open(source) as ckpt:
+        checksums = _recomputed(plan, ckpt)
+    return _check_output(Path(dest), plan, checksums, ckpt.root)
+
+
+def _check_output(
+    dest: Path, plan: Plan, checksums: Mapping[str, int], files_root: Path | None
+) -> list[str]:
+    """The tensors and config of ``dest`` against the plan and checksums; its side files
+    against the plan and, given ``files_root``, the input's files."""
     with Checkpoint.open(dest) as ckpt:
-        return _differences(plan, ckpt, checksums)
+        problems = _differences(plan, ckpt, checksums)
+    return problems + check_side_files(plan.files, dest, files_root)
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -375,7 +495,8 @@ def iter_tensors(
     The whole plan is compiled (and every problem reported) before the first tensor is yielded.
     """
     rules = resolve_mapping(preset, mapping)
-    ckpt = Checkpoint.open(checkpoint)
+    src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
+    ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
     try:
         plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
         check_torch_shapes(plan)

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.api import compile as compile_plan_for
-from weightmap.api import invert, remap
+from weightmap.api import invert, open_checkpoint, remap
 from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
 from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, stale_temporaries
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, strict_json
@@ -72,6 +71,11 @@ def _named_mapping(spec: str) -> Mapping:
     if Path(spec).exists() and not Path(spec).is_dir():
         # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
+    if spec not in preset_names() and ("/" in spec or spec.endswith(".wm")):
+        raise UsageError(
+            f"{spec}: no such mapping file (and no preset by that name; presets: "
+            f"{', '.join(preset_names()) or 'none'})"
+        )
     return resolve_mapping(preset=spec)
 
 
@@ -81,6 +85,7 @@ def _summary(plan: Plan) -> str:
         f"plan: {len(plan.inputs)} input tensors -> {len(plan.outputs)} outputs"
         f" ({len(plan.dropped)} dropped), {total:,} bytes ({_human(total)})"
         + ("; config.json edited" if plan.config_changed else "")
+        + (f"; {len(plan.files)} side file(s)" if plan.files else "")
     )
 
 
@@ -100,6 +105,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("give DST (the output folder), or --inplace / --dry-run")
     quiet = args.quiet
     progress: bool | None = False if (args.no_progress or quiet) else None
+
+    def show(plan: Plan) -> None:
+        # Before any work, so the summary and warnings come before the progress bar.
+        _warn(plan)
+        if not quiet:
+            print(_summary(plan), flush=True)
+            if args.dry_run:
+                print(plan.explain())
+
     result = remap(
         args.src,
         args.dst,
@@ -112,19 +126,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         progress=progress,
         workers=args.workers,
+        side_files=not args.no_side_files,
+        on_plan=show,
         layout=args.layout,
     )
-    _warn(result.plan)
     if not quiet:
-        print(_summary(result.plan))
-        if args.dry_run:
-            print(result.plan.explain())
         print(result)
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    plan = compile_plan_for(args.src, mapping=_mapping_of(args), params=_params(args.set))
+    plan = compile_plan_for(
+        args.src,
+        mapping=_mapping_of(args),
+        params=_params(args.set),
+        side_files=not args.no_side_files,
+    )
     if args.json:
         print(plan.to_json(indent=2))
         return 0
@@ -135,7 +152,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    with Checkpoint.open(args.checkpoint) as ckpt:
+    with open_checkpoint(args.checkpoint) as ckpt:
         rows = [
             (name, info.dtype, list(info.shape), info.nbytes, ckpt.file_of(name).name)
             for name, info in ckpt.tensors.items()
@@ -178,7 +195,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    with Checkpoint.open(args.a) as a, Checkpoint.open(args.b) as b:
+    with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
         d = diff_checkpoints(a, b)
     for name in d.only_a:
         print(f"only in A: {name}")
@@ -286,6 +303,22 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+_SRC_HELP = (
+    "a checkpoint folder, a .safetensors/.bin/.pt/.pth file, or a Hugging Face repo id "
+    "org/name[@revision]"
+)
+_MAPPING_HELP = "a mapping file, or a preset name (see `weightmap presets`)"
+
+
+def _side_files_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-side-files",
+        action="store_true",
+        help="write the weights and config.json only; by default the folder's other files "
+        "(tokenizer, generation config, README...) are carried into DST",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
@@ -297,7 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("convert", help="convert a checkpoint with a preset or a mapping")
-    p.add_argument("src", help="checkpoint folder or .safetensors file")
+    p.add_argument("src", help=_SRC_HELP)
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
@@ -315,41 +348,50 @@ def _parser() -> argparse.ArgumentParser:
         "writes",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _side_files_arg(p)
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plan", help="show what a conversion would do, writing nothing")
-    p.add_argument("src")
+    p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
+    _side_files_arg(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("inspect", help="list a checkpoint's tensors")
-    p.add_argument("checkpoint", help="a checkpoint folder or a .safetensors file")
+    p.add_argument("checkpoint", help=_SRC_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="the first checkpoint (" + _SRC_HELP + ")")
+    p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
 
     p = sub.add_parser("presets", help="list presets, or show one")
-    p.add_argument("name", nargs="?")
+    p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.set_defaults(func=_cmd_presets)
 
     p = sub.add_parser("check", help="parse a mapping, and compile it against a checkpoint")
-    p.add_argument("mapping")
-    p.add_argument("checkpoint", nargs="?")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.add_argument("mapping", help=_MAPPING_HELP)
+    p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+    )
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("invert", help="print the inverse of a mapping (file or preset)")
-    p.add_argument("mapping")
+    p.add_argument("mapping", help=_MAPPING_HELP)
     p.set_defaults(func=_cmd_invert)
 
     p = sub.add_parser("clean", help="remove what killed runs left in a folder")
-    p.add_argument("path")
+    p.add_argument(
+        "path", help="a checkpoint folder, or the folder an output was being written into"
+    )
     p.set_defaults(func=_cmd_clean)
     return parser
 

@@ -18,17 +18,21 @@ from typing import Any
 
 from weightmap.compiler.arith import VALUE_OPS, build_value
 from weightmap.compiler.configedit import apply_config_block
+from weightmap.compiler.dtypefields import stale_dtype_fields
+from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known
 from weightmap.compiler.pattern import compile_pattern
+from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
-from weightmap.errors import CompileError, LocatedProblem, MappingError, Problem
+from weightmap.errors import CompileError, LocatedProblem, MappingError
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.sidefiles import FolderFiles
 from weightmap.format.text import json_problem
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_expr, render
+from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
 from weightmap.language.values import EvalError, Scope, truth
 from weightmap.plan.nodes import Node
@@ -36,36 +40,37 @@ from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
 
-PER_RULE_LIMIT = 20  # past this, one rule's repeated problems are summarised
-
 
 @dataclass
 class _Flat:
     rules: list[A.Rule] = field(default_factory=list)
     checks: list[A.Require | A.Warn] = field(default_factory=list)
     configs: list[A.ConfigBlock] = field(default_factory=list)
+    files: list[A.FilesBlock] = field(default_factory=list)
     unmatched: A.Unmatched | None = None
 
 
 class _Compiler:
-    def __init__(self, mapping: Mapping, inputs: Sequence[TensorSpec], config: Any) -> None:
+    def __init__(
+        self,
+        mapping: Mapping,
+        inputs: Sequence[TensorSpec],
+        config: Any,
+        files: FolderFiles | None = None,
+    ) -> None:
         self.mapping = mapping
         self.inputs = tuple(inputs)
         self.config = config
-        self.problems: list[Problem] = []
+        self.files = files
+        self.problems = Problems()
         self.warnings: list[str] = []
         self._exists: dict[A.Pattern, bool] = {}
         self._names: frozenset[str] | None = None
-        self._counts: dict[A.Loc, int] = {}
         self.failed_require = False
         self.filter_failed: set[int] = set()
 
     def report(self, loc: A.Loc, message: str) -> None:
-        n = self._counts[loc] = self._counts.get(loc, 0) + 1
-        if n <= PER_RULE_LIMIT:
-            self.problems.append(Problem(loc, message))
-        elif n == PER_RULE_LIMIT + 1:
-            self.problems.append(Problem(loc, "... more problems like these (first 20 shown)"))
+        self.problems.report(loc, message)
 
     def check_unique_inputs(self) -> None:
         seen: set[str] = set()
@@ -78,6 +83,8 @@ class _Compiler:
             seen.add(spec.name)
 
     def exists(self, pattern: A.Pattern) -> bool:
+        if isinstance(pattern, A.FilePattern):
+            return file_exists(None if self.files is None else self.files.files, pattern)
         if pattern.is_literal:  # a name (or a pattern whose captures were bound): a lookup
             if self._names is None:
                 self._names = frozenset(s.name for s in self.inputs)
@@ -94,8 +101,10 @@ class _Compiler:
         for name, value in (overrides or {}).items():
             if name not in values:
                 known = ", ".join(sorted(values)) or "none"
+                hint = did_you_mean(name, values, quote="'")
                 self.report(
-                    A.Loc(self.mapping.name, 1, 1), f"unknown param {name!r} (params: {known})"
+                    A.Loc(self.mapping.name, 1, 1),
+                    f"unknown param {name!r}{hint} (params: {known})",
                 )
             elif (why := json_problem(value)) is not None:
                 # Checked first: repr() of a 5000-digit int raises ValueError.
@@ -124,6 +133,8 @@ class _Compiler:
                 out.checks.append(st)
             elif isinstance(st, A.ConfigBlock):
                 out.configs.append(st)
+            elif isinstance(st, A.FilesBlock):
+                out.files.append(st)
             elif isinstance(st, A.Unmatched):
                 if out.unmatched is not None:
                     self.report(
@@ -167,11 +178,13 @@ def compile_plan(
     config: dict[str, Any] | None = None,
     *,
     params: dict[str, Any] | None = None,
+    files: FolderFiles | None = None,
 ) -> Plan:
     """Compile ``mapping`` against input headers and config.json into a Plan.
 
-    Never reads tensor data. Raises :class:`CompileError` (a MappingError) listing every
-    problem with its file:line:col.
+    ``files`` are the side files of the input folder (``format/sidefiles.py``); None when they
+    are not carried. Never reads tensor data. Raises :class:`CompileError` (a MappingError)
+    listing every problem with its file:line:col.
 
     >>> from weightmap.language.mapping import load_mapping
     >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')
@@ -183,7 +196,7 @@ def compile_plan(
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _compile(mapping, inputs, config, params)
+        return _compile(mapping, inputs, config, params, files)
     finally:
         if paused:
             gc.enable()
@@ -202,9 +215,10 @@ def _compile(
     inputs: Sequence[TensorSpec],
     config: dict[str, Any] | None,
     params: dict[str, Any] | None,
+    files: FolderFiles | None = None,
 ) -> Plan:
     _check_arguments(params, config)
-    c = _Compiler(mapping, inputs, config)
+    c = _Compiler(mapping, inputs, config, files)
     c.check_unique_inputs()
     values = c.params(params)
     scope = Scope(values, config, {}, None, c.exists)
@@ -213,22 +227,28 @@ def _compile(
     c.checks(flat.checks, scope)
     if c.failed_require:
         # Rule errors against a checkpoint the mapping refuses would only be noise.
-        raise CompileError(c.problems, mapping.name)
+        raise CompileError(c.problems.grouped(), mapping.name)
     rules = [r for r in flat.rules if c.check_rule(r)]
     outputs, dropped = run_rules(c, rules, scope, flat.unmatched)
     out_config = _edit_config(c, flat.configs, config, scope)
+    where = A.Loc(mapping.name, 1, 1)
+    side = apply_files_blocks(
+        flat.files, None if files is None else files.files, scope, c.report, where
+    )
     check_names(outputs, c.report)
+    c.warnings += stale_dtype_fields(outputs, config, out_config)
     if c.problems:
-        raise CompileError(c.problems, mapping.name)
+        raise CompileError(c.problems.grouped(), mapping.name)
     return Plan.build(
         mapping_name=mapping.name,
         inputs=c.inputs,
         outputs=tuple(outputs),
         dropped=tuple(dropped),
-        warnings=tuple(c.warnings),
+        warnings=(*c.warnings, *(files.skipped if files is not None else ())),
         params=values,
         config=out_config,
         input_config=config,
+        files=side,
     )
 
 
@@ -258,7 +278,9 @@ def run_rules(
             step.group(taken)
         else:
             for item, m in taken:
+                c.problems.tensor = item.spec.name  # a problem now is about this tensor
                 step.one(item, m)
+            c.problems.tensor = None
         for item, _m in taken:
             for src in item.node.sources():
                 gone[src.name] = rule.loc
@@ -353,8 +375,11 @@ def _nothing(
                 "what the rules above it left)",
             )
         elif p.is_literal:
+            close = closest(p.text, ws.alive)
+            hint = f"; did you mean `{close}`?" if close is not None else ""
             report(
-                p.loc, f"input tensor `{p.text}` is missing (write `{rule.op}?` if it is optional)"
+                p.loc,
+                f"input tensor `{p.text}` is missing{hint} (write `{rule.op}?` if it is optional)",
             )
         else:
             report(

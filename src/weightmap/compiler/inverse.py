@@ -287,6 +287,30 @@ def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
                   sizes=r.sizes, loc=r.loc)  # fmt: skip
 
 
+def _file_pattern(p: A.Pattern) -> A.FilePattern:
+    return A.FilePattern(text=p.text, parts=p.parts, loc=p.loc)
+
+
+def _invert_file(r: A.FileRule) -> A.FileRule:
+    """``rename`` back, an ``add`` becomes a ``drop`` of the added file; a drop is final."""
+    if r.op == "drop":
+        raise _Refuse("dropped files cannot be brought back")
+    if r.op == "add":
+        assert r.name is not None
+        if "*" in r.name:
+            raise _Refuse(f"the added file {r.name!r} has a `*`, which a pattern reads as a glob")
+        back = _file_pattern(_pattern([r.name]))
+        return A.FileRule(op="drop", optional=False, patterns=(back,), loc=r.loc)
+    (p,) = r.patterns
+    assert r.output is not None
+    caps = {c.name: c for c in p.captures}
+    new_p, subst = _to_pattern(r.output, caps)
+    missing = set(caps) - template_names(r.output)
+    if missing:
+        raise _Refuse(f"the output drops {{{', '.join(sorted(missing))}}}")
+    return dataclasses.replace(r, patterns=(_file_pattern(new_p),), output=_to_template(p, subst))
+
+
 def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stmt, ...]:
     """Each statement inverted, rules and config blocks in reverse order, params first.
 
@@ -309,6 +333,11 @@ def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stm
                 cond = _subst(st.cond, {}, set())
                 then, orelse = _invert_stmts(st.then, problems), _invert_stmts(st.orelse, problems)
                 out.append(A.If(cond=cond, then=then, orelse=orelse, loc=st.loc))
+            elif isinstance(st, A.FilesBlock):
+                files = tuple(_invert_file(x) for x in reversed(st.stmts))
+                out.append(A.FilesBlock(stmts=files, loc=st.loc))
+            elif isinstance(st, A.ConfigFrom):
+                raise _Refuse("the output's config is config.json, not the file this one reads")
             elif isinstance(st, A.ConfigBlock):
                 fwd = [x for x in st.stmts if isinstance(x, A.CfgMove)]
                 if len(fwd) != len(st.stmts):
@@ -321,6 +350,10 @@ def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stm
 
 
 def _kind(st: A.Stmt) -> str:
+    if isinstance(st, A.FilesBlock):
+        return "files block"
+    if isinstance(st, A.ConfigFrom):
+        return "config from"
     return st.op if isinstance(st, A.Rule) else type(st).__name__.lower()
 
 

@@ -71,7 +71,11 @@ def as_int(v: Any, what: str) -> int:
 def as_ints(v: Any, what: str) -> list[int]:
     """``v`` as a list of ints."""
     if not isinstance(v, list):
-        raise RuleProblem(f"{what} must be a list of integers, got {brief(v)}")
+        example = f"{what} [{brief(v)}, ...]" if isinstance(v, int) else f"{what} [0, 1]"
+        raise RuleProblem(
+            f"{what} must be a list of integers, got {brief(v)}; write the list in brackets: "
+            f"{example}"
+        )
     return [as_int(x, what) for x in v]
 
 

@@ -32,18 +32,20 @@ def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, 
     out: list[str] = []
     caps: list[tuple[str, A.CaptureKind]] = []
     n_alt = 0
+    # Tensor names are dotted; side-file names are paths, whose dots are not separators.
+    sep = "/" if isinstance(p, A.FilePattern) else "."
     for part in p.parts:
         if isinstance(part, str):
             out.append(re.escape(part))
         elif isinstance(part, A.Glob):
-            out.append(".*" if part.multi else "[^.]*")
+            out.append(".*" if part.multi else f"[^{sep}]*")
         elif isinstance(part, A.Alt):
             name = f"_alt{n_alt}"
             n_alt += 1
             out.append(f"(?P<{prefix}{name}>{'|'.join(map(re.escape, part.alts))})")
             caps.append((name, "alt"))
         else:
-            body = {"seg": "[^.]+", "multi": ".+", "int": _INT}.get(part.kind)
+            body = {"seg": f"[^{sep}]+", "multi": ".+", "int": _INT}.get(part.kind)
             if body is None:
                 body = "|".join(map(re.escape, part.alts))
             out.append(f"(?P<{prefix}{part.name}>{body})")

@@ -109,11 +109,11 @@ def check_unchanged(ckpt: Checkpoint) -> None:
             )
 
 
-def _copied(out: OutputTensor) -> list[Segment] | None:
+def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
     """The input byte ranges an output copies, or None when it is computed."""
     segments = byte_segments(out.node)
-    if segments is None:
-        return None
+    if segments is None or not all(ckpt.has_range(s.name) for s in segments):
+        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
     size = nbytes(out.node.dtype, out.node.shape)
     if len(segments) <= _FEW_SEGMENTS or size // len(segments) >= _MIN_SEGMENT:
         return segments
@@ -238,14 +238,14 @@ def execute(
     sizes = {s.name: s.nbytes for s in specs}
     for out in plan.outputs:
         node = out.node
-        if isinstance(node, Source):  # a rename or keep: the common case, made short
+        if isinstance(node, Source) and ckpt.has_range(node.name):  # the common case, short
             _, begin, end = where[node.name]
             copied[out.name] = [Segment(node.name, 0, end - begin)]
             origins[out.name] = Origin(
                 (numbers[node.name], begin), (Extent(numbers[node.name], begin, end - begin),)
             )
             continue
-        segments = _copied(out)
+        segments = _copied(out, ckpt)
         if segments is not None:
             copied[out.name] = segments
             extents = tuple(

@@ -23,6 +23,7 @@ from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.lock import folder_lock
+from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle, release_pages
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
@@ -111,7 +112,11 @@ def check_torch_shape(name: str, shape: tuple[int, ...], path: Path | None = Non
         )
 
 
-_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors")
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safetensors|bin)")
+# PyTorch checkpoints, as transformers names them; Meta's model-parallel shards.
+PICKLE_SINGLE = "pytorch_model.bin"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+_CONSOLIDATED = re.compile(r"consolidated\.(\d+)\.pth")
 
 
 def _check_complete(
@@ -125,12 +130,14 @@ def _check_complete(
     ``.safetensors`` files (a consolidated copy, another sharding) are not part of it.
     """
     series = {
-        (m["stem"], m["n"]) for p in headers if (m := _SHARD_NAME.fullmatch(p.name)) is not None
+        (m["stem"], m["n"], m["ext"])
+        for p in headers
+        if (m := _SHARD_NAME.fullmatch(p.name)) is not None
     }
     indexed = {p.name for p in headers}
-    for candidate in sorted(root.glob("*.safetensors")):
+    for candidate in sorted([*root.glob("*.safetensors"), *root.glob("*.bin")]):
         m = _SHARD_NAME.fullmatch(candidate.name)
-        if m and (m["stem"], m["n"]) in series and candidate.name not in indexed:
+        if m and (m["stem"], m["n"], m["ext"]) in series and candidate.name not in indexed:
             raise CheckpointError(
                 f"{candidate.name} is in the folder but the index names no tensor in it, so its "
                 f"tensors would be lost; regenerate the index if it belongs to this checkpoint "
@@ -141,6 +148,9 @@ def _check_complete(
     metadata = index.get("metadata")
     total = metadata.get("total_size") if isinstance(metadata, dict) else None
     if not isinstance(total, int) or isinstance(total, bool):
+        return
+    if any(isinstance(h, PickleHeader) for h in headers.values()):
+        # Tied tensors share one storage in a pickle and are counted twice in total_size.
         return
     # Writers count total_size as the tensor bytes, some as the file sizes: more than the
     # files hold in all means shards are missing from the index and the folder alike.
@@ -154,6 +164,28 @@ def _check_complete(
             path=index_path,
             rule="index-total-size",
         )
+
+
+def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any] | None:
+    """The JSON object in ``root / name``; None when it is absent and not ``required``."""
+    config_path = root / name
+    if not config_path.is_file():
+        if not required:
+            return None
+        raise CheckpointError(
+            f"the mapping reads its config from {name} (`config from`), which the folder does "
+            "not have",
+            path=root,
+            rule="missing-config",
+        )
+    loaded = read_json_file(config_path, name)
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"{name} holds a JSON {type(loaded).__name__}, not an object",
+            path=config_path,
+            rule="config",
+        )
+    return loaded
 
 
 class Checkpoint:
@@ -182,17 +214,20 @@ class Checkpoint:
         self._config = config
         self.index_path = index_path
         self._maps: dict[Path, mmap.mmap] = {}
+        self._loaded: dict[Path, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     # -- opening -----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], *, config_name: str = CONFIG_NAME) -> Checkpoint:
         """Open and validate a checkpoint folder or file.
 
         Headers, index and config are read under the folder's shared lock (see
         ``format/lock.py``), so they are all from before or all from after an in-place
-        rename; a rename in progress is waited for.
+        rename; a rename in progress is waited for. ``config_name`` is the JSON file read as
+        the config (a mapping's ``config from "params.json"``): config.json is optional,
+        another file named this way must exist.
         """
         p = Path(path)
         if not p.exists():
@@ -204,12 +239,16 @@ class Checkpoint:
                 rule="layout",
             )
         with folder_lock(p.parent if p.is_file() else p, exclusive=False):
-            return cls._open_unlocked(p)
+            ckpt = cls._open_unlocked(p)
+        if config_name != CONFIG_NAME:
+            ckpt._config = _read_config(ckpt.root, config_name, required=True)
+        return ckpt
 
     @classmethod
     def _open_unlocked(cls, p: Path) -> Checkpoint:
         if p.is_file():
             cls._check_journal(p.parent)
+            cls._refuse_model_parallel(p)
             return cls._from_files(p.parent, [p], None)
         root = p
         cls._check_journal(root)
@@ -227,7 +266,20 @@ class Checkpoint:
             return cls._from_index(root, index)
         if single.is_file():
             return cls._from_files(root, [single], None)
+        if (root / PICKLE_INDEX).is_file():
+            return cls._from_index(root, root / PICKLE_INDEX)
+        if (root / PICKLE_SINGLE).is_file():
+            return cls._from_files(root, [root / PICKLE_SINGLE], None)
+        pickles = sorted(
+            q for q in root.iterdir() if q.name.endswith((".pt", ".pth")) and _is_file(q)
+        )
+        if len(pickles) == 1:
+            cls._refuse_model_parallel(pickles[0])
+            return cls._from_files(root, pickles, None)
+        if pickles:
+            cls._refuse_model_parallel(pickles[0])
         found = sorted(q.name for q in root.glob("*.safetensors") if _is_file(q))
+        found += [q.name for q in pickles]
         hint = (
             f"; found {', '.join(found[:5])}{' ...' if len(found) > 5 else ''} — pass one file "
             "directly, or add an index"
@@ -235,8 +287,28 @@ class Checkpoint:
             else ""
         )
         raise CheckpointError(
-            f"folder has neither {SINGLE_NAME} nor {INDEX_NAME}{hint}", path=p, rule="layout"
+            f"folder has neither {SINGLE_NAME} nor {INDEX_NAME} (nor {PICKLE_SINGLE}, its index "
+            f"or a single .pt/.pth file){hint}",
+            path=p,
+            rule="layout",
         )
+
+    @staticmethod
+    def _refuse_model_parallel(path: Path) -> None:
+        """Meta's ``consolidated.NN.pth`` shards each hold a slice of every tensor."""
+        if not _CONSOLIDATED.fullmatch(path.name):
+            return
+        shards = sorted(q.name for q in path.parent.glob("consolidated.*.pth"))
+        if len(shards) > 1:
+            raise CheckpointError(
+                f"holds {len(shards)} model-parallel shards ({shards[0]} ... {shards[-1]}): each "
+                "holds a slice of every tensor, split along a dimension that depends on the "
+                "layer, which weightmap does not merge; merge them into one checkpoint first "
+                "(transformers' convert_llama_weights_to_hf.py does), or convert a model that "
+                "ships one consolidated.00.pth",
+                path=path.parent,
+                rule="model-parallel",
+            )
 
     @staticmethod
     def _check_journal(root: Path) -> None:
@@ -298,8 +370,13 @@ class Checkpoint:
     def _from_files(cls, root: Path, files: list[Path], index_path: Path | None) -> Checkpoint:
         headers: dict[Path, Header] = {}
         tensors: dict[str, tuple[Path, TensorInfo]] = {}
+        loaded: dict[Path, dict[str, torch.Tensor]] = {}
         for f in files:
-            header = read_header(f)
+            header: Header
+            if is_pickle(f):
+                header, loaded[f] = read_pickle(f)
+            else:
+                header = read_header(f)
             headers[f] = header
             for name, info in header.tensors.items():
                 if name in tensors:
@@ -310,18 +387,9 @@ class Checkpoint:
                         rule="duplicate-name",
                     )
                 tensors[name] = (f, info)
-        config: dict[str, Any] | None = None
-        config_path = root / CONFIG_NAME
-        if config_path.is_file():
-            loaded = read_json_file(config_path, "config.json")
-            if not isinstance(loaded, dict):
-                raise CheckpointError(
-                    f"config.json holds a JSON {type(loaded).__name__}, not an object",
-                    path=config_path,
-                    rule="config",
-                )
-            config = loaded
-        return cls(root, headers, tensors, config, index_path)
+        ckpt = cls(root, headers, tensors, _read_config(root, CONFIG_NAME), index_path)
+        ckpt._loaded = loaded
+        return ckpt
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -363,9 +431,24 @@ class Checkpoint:
         """The file that stores tensor ``name``."""
         return self._lookup(name)[0]
 
+    @property
+    def format(self) -> str:
+        """``"safetensors"``, or ``"pytorch"`` for a checkpoint of PyTorch pickles."""
+        pickled = any(isinstance(h, PickleHeader) for h in self.headers.values())
+        return "pytorch" if pickled else "safetensors"
+
+    def has_range(self, name: str) -> bool:
+        """True when tensor ``name`` is one byte range of its file (:meth:`location`); False
+        for a PyTorch tensor that is not contiguous in its storage (read it with :meth:`view`)."""
+        path, _ = self._lookup(name)
+        header = self.headers[path]
+        return not (isinstance(header, PickleHeader) and name in header.strided)
+
     def location(self, name: str) -> TensorLocation:
-        """The byte range of tensor ``name`` in its file."""
+        """The byte range of tensor ``name`` in its file (see :meth:`has_range`)."""
         path, info = self._lookup(name)
+        if not self.has_range(name):
+            raise ValueError(f"tensor {name!r} is not one byte range of {path.name}")
         return TensorLocation(path, self.headers[path].data_start + info.begin, info.nbytes)
 
     def __iter__(self) -> Iterator[str]:
@@ -416,6 +499,8 @@ class Checkpoint:
         import torch
 
         path, info = self._lookup(name)
+        if isinstance(self.headers[path], PickleHeader):
+            return self._pickled(path)[name]
         check_torch_shape(name, info.shape, path)
         loc = self.location(name)
         mm = self._map(path)
@@ -432,6 +517,16 @@ class Checkpoint:
             return raw
         return raw.view(dt.torch()).reshape(info.shape)
 
+    def _pickled(self, path: Path) -> dict[str, torch.Tensor]:
+        with self._lock:
+            tensors = self._loaded.get(path)
+            if tensors is None:
+                header, tensors = read_pickle(path)
+                if header != self.headers[path]:
+                    raise FormatError("file changed since it was opened", path=path, rule="changed")
+                self._loaded[path] = tensors
+            return tensors
+
     def release(self, path: Path, begin: int, end: int) -> None:
         """Unmap from this process the pages that hold bytes ``[begin, end)`` of ``path``.
 
@@ -441,6 +536,13 @@ class Checkpoint:
         pages (the map is copy-on-write): only for readers that never write to their views,
         never on a checkpoint whose views were handed out.
         """
+        header = self.headers.get(path)
+        if isinstance(header, PickleHeader):
+            with self._lock:
+                tensors = self._loaded.get(path)
+            if tensors is not None:
+                release_pages(header, tensors, begin, end)
+            return
         with self._lock:
             mm = self._maps.get(path)
         if mm is None or end <= begin:
@@ -459,6 +561,7 @@ class Checkpoint:
         """
         with self._lock:
             self._maps.clear()
+            self._loaded.clear()
 
     def __enter__(self) -> Checkpoint:
         return self

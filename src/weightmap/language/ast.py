@@ -25,10 +25,14 @@ __all__ = [
     "CfgStmt",
     "Comp",
     "ConfigBlock",
+    "ConfigFrom",
     "ConfigRef",
     "DictExpr",
     "Exists",
     "Expr",
+    "FilePattern",
+    "FileRule",
+    "FilesBlock",
     "Glob",
     "If",
     "IfExp",
@@ -176,7 +180,11 @@ class Comp:
 
 @dataclass(frozen=True, kw_only=True)
 class Exists:
-    """``exists "pattern"``: true when at least one input tensor matches the pattern."""
+    """``exists "pattern"``: true when at least one input tensor matches the pattern.
+
+    ``exists file "pattern"`` (a :class:`FilePattern`): a side file carried from the input
+    folder matches it.
+    """
 
     pattern: Pattern
     loc: Loc = field(default=NOWHERE, compare=False)
@@ -234,6 +242,13 @@ class Pattern:
     def captures(self) -> tuple[Capture, ...]:
         """The named captures, in order of appearance."""
         return tuple(p for p in self.parts if isinstance(p, Capture))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilePattern(Pattern):
+    """A side-file pattern (``"*.md"``, ``"tokenizer/{f}"``): the syntax of tensor patterns,
+    over paths: ``*`` and ``{x}`` stay within one path component (they stop at ``/``, not at
+    dots), ``**`` and ``{x*}`` cross them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -421,7 +436,42 @@ class If:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
-Stmt = Union[Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If]  # noqa: UP007
+@dataclass(frozen=True, kw_only=True)
+class FileRule:
+    """A side-file statement inside ``files { }``.
+
+    ``drop[?] PATTERNS``; ``rename[?] PATTERN -> TEMPLATE``; ``add "NAME" = VALUE`` (a string
+    is written as text, any other value as JSON).
+    """
+
+    op: Literal["drop", "rename", "add"]
+    optional: bool
+    patterns: tuple[FilePattern, ...] = ()
+    output: Template | None = None
+    name: str | None = None
+    value: Expr | None = None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilesBlock:
+    """``files { ... }``: what happens to the side files carried into the output."""
+
+    stmts: tuple[FileRule, ...]
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigFrom:
+    """``config from "params.json"``: the JSON file read as the input config."""
+
+    file: str
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
+Stmt = Union[  # noqa: UP007
+    Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If, FilesBlock, ConfigFrom
+]
 
 
 @dataclass(frozen=True, kw_only=True)

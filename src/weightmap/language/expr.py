@@ -6,7 +6,9 @@ functions are in ``functions.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import itertools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from weightmap.format.dtypes import DTYPES
@@ -28,9 +30,11 @@ from weightmap.language.values import (
 
 __all__ = [
     "DTYPE_ALIASES",
+    "closest",
     "compile_expr",
     "compile_template",
     "describe",
+    "did_you_mean",
     "render",
     "resolve_dtype",
 ]
@@ -85,9 +89,28 @@ def _lookup(name: str, loc: A.Loc) -> Fn:
         dt = resolve_dtype(name)
         if dt is not None:
             return dt
-        raise EvalError(f"unknown name `{name}`", loc)
+        known = [*s.local, *s.captures, *s.params, *(TENSOR_NAMES if s.tensor else ())]
+        raise EvalError(f"unknown name `{name}`{did_you_mean(name, known)}", loc)
 
     return get
+
+
+def closest(word: str, candidates: Iterable[object]) -> str | None:
+    """The candidate closest to ``word`` (difflib), or None when none is close.
+
+    Bounded: past 100,000 candidates (a hostile config) no suggestion is looked for.
+    """
+    pool = list(itertools.islice(candidates, 100_001))
+    if len(pool) > 100_000:
+        return None
+    close = difflib.get_close_matches(word, [c for c in pool if isinstance(c, str)], n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, candidates: Iterable[object], quote: str = "`") -> str:
+    """``" (did you mean `x`?)"`` for the closest candidate, or ``""`` when none is close."""
+    close = closest(word, candidates)
+    return f" (did you mean {quote}{close}{quote}?)" if close is not None else ""
 
 
 def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
@@ -95,7 +118,11 @@ def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
         if not isinstance(key, str):
             raise EvalError(f"{what}: object keys are strings, not {brief(key)}", loc)
         if key not in obj:
-            raise MissingField(f"`{what}` is missing from the config", loc)
+            close = closest(key, obj)
+            if close is not None and what.endswith("." + key):
+                close = f"{what[: -len(key)]}{close}"  # the whole path: `config.hidden_size`
+            hint = f" (did you mean `{close}`?)" if close is not None else ""
+            raise MissingField(f"`{what}` is missing from the config{hint}", loc)
         return obj[key]
     if isinstance(obj, list) and isinstance(key, int) and not isinstance(key, bool):
         if not -len(obj) <= key < len(obj):

@@ -31,9 +31,15 @@ STATEMENT_KEYWORDS = [
     "include",
     "unmatched",
     "config",
+    "files",
     "if",
 ]
 CONFIG_KEYWORDS = ("delete", "move", "lift", "nest", "if")
+# The words inside statements, for misspellings the lexer splits (`too` reads as `to` + `o`).
+INNER_KEYWORDS = ("to", "from", "dim", "dims", "sizes", "over", "where", "else", "when",
+                  "except", "overwrite", "exists", "file", "add")  # fmt: skip
+_ONE_DIM = ("split", "chunk", "merge", "stack", "unstack")
+_DIM_LISTS = ("transpose", "permute")
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -81,7 +87,42 @@ def _describe_expected(parser: Lark, expected: set[str]) -> str:
     return "; expected " + ", ".join(sorted(words))
 
 
+def _word_hint(text: str, pos: int) -> str | None:
+    """A keyword the lexer took a prefix of (``keeps`` read as ``keep`` + ``s``), or a word
+    that belongs to other rules (``dims`` in a merge, ``dim`` in a transpose)."""
+    line_start = text.rfind("\n", 0, pos) + 1
+    start = pos
+    while start > line_start and (text[start - 1].isalnum() or text[start - 1] == "_"):
+        start -= 1
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[line_start:pos])
+    keywords = {*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS, *INNER_KEYWORDS}
+    if start < pos:  # the error is inside a word: its start was read as a keyword
+        whole = re.match(r"[A-Za-z0-9_]+", text[start:])
+        prefix = text[start:pos]
+        if whole and prefix in keywords:
+            return f"`{whole.group()}` is not a keyword here; did you mean `{prefix}`?"
+    at = re.match(r"[A-Za-z_][A-Za-z0-9_]*", text[pos:])
+    if at is not None and start == pos:
+        words.append(at.group())
+    if not words:
+        return None
+    last, first = words[-1], words[0]
+    if last == "dims" and first in _ONE_DIM:
+        return f"{first} takes one dimension: `dim N` (`dims [a, b]` is for transpose, permute)"
+    if last == "dim" and first in _DIM_LISTS:
+        return f"{first} takes a list of dimensions: `dims [a, b]`"
+    if last not in keywords:
+        # A keyword and a letter or two typed on: `too`, `fromm`, not `tokens`.
+        split = [k for k in keywords if last.startswith(k) and 0 < len(last) - len(k) <= 2]
+        if split:
+            return f"did you mean `{max(split, key=len)}`?"
+    return None
+
+
 def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
+    hint = _word_hint(text, pos)
+    if hint is not None:
+        return hint
     rest = text[pos:]
     if rest.startswith("=>"):
         return "the arrow is written `->`"
@@ -91,9 +132,14 @@ def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
         return "this string is not closed on its line"
     if rest.startswith("=") and "COMP_OP" in expected:
         return "compare with `==`"
+    line = text[text.rfind("\n", 0, pos) + 1 : pos]
+    if rest.startswith(",") and (m := re.search(r"\b(sizes|dims)\s+([^\[\s][^\n]*)$", line)):
+        items = m.group(2) + rest.split("\n", 1)[0].split("->")[0].rstrip()
+        return f"a list is written in brackets: `{m.group(1)} [{items}]`"
     if "STRING" in expected and _IDENT.match(word or ""):
         return f'tensor names, patterns and messages are quoted: "{word}"'
-    keywords = [k for k in STATEMENT_KEYWORDS + list(CONFIG_KEYWORDS) if k.upper() in expected]
+    every = [*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS, *INNER_KEYWORDS]
+    keywords = [k for k in every if k.upper() in expected]
     if word and keywords:
         close = difflib.get_close_matches(word, keywords, n=1, cutoff=0.6)
         if close:
@@ -106,7 +152,7 @@ def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
     # A misspelt keyword is often taken for a name, so the error comes one word later.
     before = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text[:pos].rsplit("\n", 1)[-1])
     if before:
-        close = difflib.get_close_matches(before[-1], [*STATEMENT_KEYWORDS, *CONFIG_KEYWORDS], 1)
+        close = difflib.get_close_matches(before[-1], every, 1)
         if close and close[0] != before[-1]:
             return f"did you mean `{close[0]}`?"
     return None

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import MappingError, MappingSyntaxError
+from weightmap.format.layout import CONFIG_NAME
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_expr, resolve_dtype
+from weightmap.language.expr import closest, compile_expr, did_you_mean, resolve_dtype
 from weightmap.language.parse import parse_program
 from weightmap.language.resources import data_dir
 from weightmap.language.values import TENSOR_NAMES, WORK_LIMIT, EvalError, Scope
@@ -53,6 +54,15 @@ class Mapping:
     program: A.Program
     param_defaults: dict[str, Any]
     param_locs: dict[str, A.Loc]
+
+    @property
+    def config_file(self) -> str:
+        """The JSON file of the input folder read as its config: ``config.json`` unless a
+        ``config from "params.json"`` statement names another."""
+        for st in self.program.stmts:
+            if isinstance(st, A.ConfigFrom):
+                return st.file
+        return CONFIG_NAME
 
 
 # A mapping is a few kilobytes. Everything parsed for one mapping (its own text and every
@@ -232,11 +242,35 @@ def _params(stmts: tuple[A.Stmt, ...]) -> tuple[dict[str, Any], dict[str, A.Loc]
     return values, locs
 
 
+def _check_config_from(stmts: tuple[A.Stmt, ...]) -> None:
+    """At most one ``config from``, naming a JSON file inside the input folder."""
+    found = [st for st in stmts if isinstance(st, A.ConfigFrom)]
+    problems = [
+        f"{st.loc}: a second `config from` (the first is at {found[0].loc})" for st in found[1:]
+    ]
+    for st in found:
+        parts = st.file.split("/")
+        if (
+            not st.file
+            or st.file.startswith("/")
+            or any(p in ("", ".", "..") for p in parts)
+            or any(ord(ch) < 32 for ch in st.file)
+            or "\\" in st.file
+        ):
+            problems.append(
+                f"{st.loc}: `config from {st.file[:80]!r}`: name a JSON file inside the input "
+                'folder by its relative path, e.g. `config from "params.json"`'
+            )
+    if problems:
+        raise MappingError("\n".join(problems))
+
+
 def from_program(name: str, text: str, program: A.Program, base: Path | None = None) -> Mapping:
     """A mapping from a parsed program: includes spliced in, params resolved."""
     spent = _Spent(bytes=_check_size(text, name))
     stmts = _resolve_includes(program, base, (name,), spent)
     program = A.Program(version=program.version, stmts=stmts, file=program.file)
+    _check_config_from(stmts)
     values, locs = _params(stmts)
     return Mapping(name=name, text=text, program=program, param_defaults=values, param_locs=locs)
 
@@ -310,8 +344,9 @@ def resolve_mapping(
         )
     if preset is not None:
         if preset not in preset_names() and _looks_like_file(preset):
+            what = "is a mapping file" if _is_file(preset) else "looks like a mapping file"
             raise MappingError(
-                f"{preset!r} is a mapping file, not a preset name: pass it as mapping= "
+                f"{preset!r} {what}, not a preset name: pass it as mapping= "
                 "(--mapping FILE); presets are: " + (", ".join(preset_names()) or "none")
             )
         return load_preset(preset)
@@ -329,8 +364,11 @@ def resolve_mapping(
                 f"(--preset {mapping})"
             )
         if _looks_like_file(mapping) or (mapping.strip() == mapping and " " not in mapping):
+            close = closest(mapping, preset_names())
+            hint = f"; did you mean the preset {close!r} (--preset {close})?" if close else ""
             raise MappingError(
-                f"mapping file {mapping!r} does not exist (rule text starts with `weightmap 1`)"
+                f"mapping file {mapping!r} does not exist{hint} (rule text starts with "
+                "`weightmap 1`)"
             )
     return load_mapping(mapping)
 
@@ -354,7 +392,8 @@ def _preset_text(name: str, loc: A.Loc | None = None) -> str:
         return data_dir("mappings").joinpath(name + PRESET_SUFFIX).read_text(encoding="utf-8")
     except (FileNotFoundError, OSError):
         known = ", ".join(preset_names()) or "none"
-        raise MappingError(f"{where}no preset named {name!r} (presets: {known})") from None
+        hint = did_you_mean(name, preset_names(), quote="'")
+        raise MappingError(f"{where}no preset named {name!r}{hint} (presets: {known})") from None
 
 
 def load_preset(name: str) -> Mapping:

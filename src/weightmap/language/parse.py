@@ -171,6 +171,10 @@ class _Builder:
     def pattern(self, tok: Token) -> A.Pattern:
         return parse_pattern(self.string(tok), self.loc(tok), self.text)
 
+    def file_pattern(self, tok: Token) -> A.FilePattern:
+        p = self.pattern(tok)
+        return A.FilePattern(text=p.text, parts=p.parts, loc=p.loc)
+
     def template(self, tok: Token) -> A.Template:
         return parse_template(self.string(tok), self.loc(tok), self.text)
 
@@ -213,6 +217,8 @@ class _Builder:
             return A.ConfigRef(loc=loc)
         if kind == "exists":
             return A.Exists(pattern=self.pattern(c[0]), loc=loc)
+        if kind == "exists_file":
+            return A.Exists(pattern=self.file_pattern(c[0]), loc=loc)
         if kind == "attr":
             return A.Attr(obj=self.expr(c[0], loc), name=str(c[1]), loc=loc)
         if kind == "index":
@@ -293,7 +299,31 @@ class _Builder:
             )
         if kind == "config_block":
             return A.ConfigBlock(stmts=tuple(self.cfg(x) for x in c), loc=loc)
+        if kind == "config_from":
+            return A.ConfigFrom(file=self.string(c[0]), loc=loc)
+        if kind == "files_block":
+            return A.FilesBlock(stmts=tuple(self.file_rule(x) for x in c), loc=loc)
         return self.rule(t)
+
+    def file_rule(self, t: Tree[Any]) -> A.FileRule:
+        loc, kind = self.loc(t), str(t.data)
+        optional = any(isinstance(x, Token) and x.type == "OPT" for x in t.children)
+        c: list[Any] = [x for x in t.children if not (isinstance(x, Token) and x.type == "OPT")]
+        if kind == "file_drop":
+            pats = tuple(self.file_pattern(x) for x in c[0].children)
+            return A.FileRule(op="drop", optional=optional, patterns=pats, loc=loc)
+        if kind == "file_rename":
+            return A.FileRule(
+                op="rename",
+                optional=optional,
+                patterns=(self.file_pattern(c[0]),),
+                output=self.template(c[1]),
+                loc=loc,
+            )
+        if kind == "file_add":
+            name, value = self.string(c[0]), self.expr(c[1], loc)
+            return A.FileRule(op="add", optional=False, name=name, value=value, loc=loc)
+        raise TypeError(f"unknown files statement {kind}")  # pragma: no cover
 
     def _else(self, c: list[Any]) -> tuple[A.Stmt, ...]:
         last = c[-1] if c else None

@@ -14,7 +14,8 @@ _WORDS = (
     "weightmap param include unmatched require else warn if rename keep drop copy split chunk "
     "merge stack unstack transpose permute reshape cast add mul quantize mask block size plus "
     "index dim dims sizes over to from where config "
-    "delete when move lift nest except overwrite and or not in for exists true false null error"
+    "delete when move lift nest except overwrite and or not in for exists true false null error "
+    "files file"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
@@ -83,7 +84,8 @@ def _expr(e: A.Expr) -> str:
         cond = f" if {unparse_expr(e.cond)}" if e.cond is not None else ""
         return f"[{unparse_expr(e.elt)} for {e.var} in {unparse_expr(e.iterable)}{cond}]"
     if isinstance(e, A.Exists):
-        return f"exists {_s(e.pattern.text)}"
+        word = "exists file" if isinstance(e.pattern, A.FilePattern) else "exists"
+        return f"{word} {_s(e.pattern.text)}"
     raise TypeError(e)  # pragma: no cover
 
 
@@ -198,6 +200,15 @@ def _cfg(st: A.CfgStmt, ind: str) -> list[str]:
     return [*lines, f"{ind}}}"]
 
 
+def _file(r: A.FileRule) -> str:
+    word = r.op + ("?" if r.optional else "")
+    if r.op == "add":
+        assert r.name is not None and r.value is not None
+        return f"add {_s(r.name)} = {unparse_expr(r.value)}"
+    pats = ", ".join(_s(p.text) for p in r.patterns)
+    return f"{word} {pats}" + (f" -> {_s(r.output.text)}" if r.output is not None else "")
+
+
 def _stmt(st: A.Stmt, ind: str) -> list[str]:
     if isinstance(st, A.Param):
         return [f"{ind}param {st.name} = {unparse_expr(st.default)}"]
@@ -212,6 +223,10 @@ def _stmt(st: A.Stmt, ind: str) -> list[str]:
         return [f"{ind}warn {cond}{_s(st.message.text)}"]
     if isinstance(st, A.Rule):
         return [ind + _rule(st)]
+    if isinstance(st, A.ConfigFrom):
+        return [f"{ind}config from {_s(st.file)}"]
+    if isinstance(st, A.FilesBlock):
+        return [f"{ind}files {{", *(f"{ind}    {_file(x)}" for x in st.stmts), f"{ind}}}"]
     if isinstance(st, A.ConfigBlock):
         lines = [f"{ind}config {{"]
         for x in st.stmts:

@@ -23,7 +23,7 @@ from weightmap.plan.nodes import (
 if TYPE_CHECKING:
     from weightmap.plan.plan import Plan
 
-__all__ = ["config_diff", "explain"]
+__all__ = ["config_diff", "explain", "side_files"]
 
 
 def _shape(dtype: str, shape: tuple[int, ...]) -> str:
@@ -99,6 +99,7 @@ def explain(plan: Plan) -> str:
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
     for d in plan.dropped:
         lines.append(f"  dropped {d.name}  ({d.origin})")
+    lines += side_files(plan)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     diff = config_diff(plan.input_config, plan.config)
@@ -106,6 +107,23 @@ def explain(plan: Plan) -> str:
         lines.append("config.json:")
         lines += [f"  {x}" for x in diff]
     return "\n".join(lines)
+
+
+def side_files(plan: Plan) -> list[str]:
+    """One line per side file: carried as it is, renamed, or added by the mapping."""
+    if not plan.files:
+        return []
+    total = sum(f.size for f in plan.files)
+    lines = [f"side files: {len(plan.files)} ({total:,} bytes)"]
+    for f in plan.files:
+        if f.source is None:
+            how = f"added ({f.origin})"
+        elif f.source != f.name:
+            how = f"from {f.source} ({f.origin})"
+        else:
+            how = "carried"
+        lines.append(f"  file {f.name}  {f.size:,} bytes, {how}")
+    return lines
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -16,7 +16,7 @@ from weightmap.language.ast import Loc
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
 
-__all__ = ["PLAN_FORMAT", "Dropped", "OutputTensor", "Plan"]
+__all__ = ["PLAN_FORMAT", "Dropped", "OutputTensor", "Plan", "SideFile"]
 
 PLAN_FORMAT = 1
 
@@ -43,6 +43,45 @@ class Dropped:
     origin: Loc
 
 
+@dataclass(frozen=True, kw_only=True)
+class SideFile:
+    """A file of the output beside the weights and config.json.
+
+    Carried from the input folder byte for byte (``source``: its path there, relative to the
+    folder) or added by the mapping (``text``, written as UTF-8). ``origin`` is the rule that
+    renamed or added it; None for a file carried as it is.
+    """
+
+    name: str
+    size: int
+    source: str | None = None
+    text: str | None = None
+    origin: Loc | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; keys that are None are left out."""
+        d: dict[str, Any] = {"name": self.name, "size": self.size}
+        if self.source is not None:
+            d["source"] = self.source
+        if self.text is not None:
+            d["text"] = self.text
+        if self.origin is not None:
+            d["origin"] = _loc_dict(self.origin)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SideFile:
+        """Read back :meth:`to_dict`."""
+        origin = d.get("origin")
+        return cls(
+            name=d["name"],
+            size=d["size"],
+            source=d.get("source"),
+            text=d.get("text"),
+            origin=None if origin is None else _loc(origin),
+        )
+
+
 def _json_or_none(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=False)
 
@@ -64,6 +103,7 @@ class Plan:
     params_json: str = "{}"
     config_json: str | None = None
     input_config_json: str | None = None
+    files: tuple[SideFile, ...] = ()
     _by_name: dict[str, OutputTensor] = field(
         default_factory=dict, compare=False, repr=False, hash=False
     )
@@ -80,6 +120,7 @@ class Plan:
         params: dict[str, Any] | None = None,
         config: Any = None,
         input_config: Any = None,
+        files: tuple[SideFile, ...] = (),
     ) -> Plan:
         """Make a plan from Python values (JSON-serializable config and params)."""
         return cls(
@@ -91,6 +132,7 @@ class Plan:
             params_json=json.dumps(params or {}),
             config_json=_json_or_none(config),
             input_config_json=_json_or_none(input_config),
+            files=files,
         )
 
     @property
@@ -137,8 +179,8 @@ class Plan:
     # ------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (see :meth:`from_dict`)."""
-        return {
+        """A JSON-ready dict (see :meth:`from_dict`); ``files`` only when there are some."""
+        d: dict[str, Any] = {
             "format": PLAN_FORMAT,
             "mapping": self.mapping_name,
             "params": self.params,
@@ -152,6 +194,9 @@ class Plan:
             "config": self.config,
             "input_config": self.input_config,
         }
+        if self.files:
+            d["files"] = [f.to_dict() for f in self.files]
+        return d
 
     def to_json(self, indent: int | None = 1) -> str:
         """The plan as JSON text."""
@@ -176,6 +221,7 @@ class Plan:
             params=d["params"],
             config=d["config"],
             input_config=d["input_config"],
+            files=tuple(SideFile.from_dict(f) for f in d.get("files", ())),
         )
 
     @classmethod

@@ -1,0 +1,55 @@
+"""A warning when casts leave config.json's dtype field saying what the weights no longer are.
+
+transformers loads weights in the dtype ``torch_dtype`` (transformers 4) or ``dtype``
+(transformers 5) names, so a conversion that casts every floating-point weight to bfloat16
+and leaves ``"torch_dtype": "float32"`` makes loaders upcast what was just made smaller. The
+compiler cannot know what the user wants, so it warns, with the one-line fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from weightmap.plan.nodes import Cast, Node
+from weightmap.plan.plan import OutputTensor
+
+__all__ = ["stale_dtype_fields"]
+
+# The floating-point dtypes config.json names, by their safetensors names.
+_CONFIG_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _casts(node: Node) -> bool:
+    if isinstance(node, Cast) and node.src.dtype != node.dtype:
+        return True
+    return any(_casts(c) for c in node.children())
+
+
+def stale_dtype_fields(
+    outputs: Sequence[OutputTensor], before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> list[str]:
+    """Warnings (at the first cast) for ``torch_dtype``/``dtype`` fields a cast made stale and
+    the mapping kept.
+
+    Only when a rule cast some tensor and every floating-point output now has one dtype; a
+    field the mapping set itself is the mapping's decision.
+    """
+    cast = next((o for o in outputs if _casts(o.node)), None)
+    if after is None or cast is None:
+        return []
+    floats = {o.node.dtype for o in outputs if o.node.dtype in _CONFIG_NAMES}
+    if len(floats) != 1:
+        return []
+    new = _CONFIG_NAMES[floats.pop()]
+    out = []
+    for field in ("torch_dtype", "dtype"):
+        old = after.get(field)
+        kept = before is not None and before.get(field) == old
+        if isinstance(old, str) and old in _CONFIG_NAMES.values() and old != new and kept:
+            out.append(
+                f'{cast.origin}: config.json says {field} = "{old}" but the floating-point '
+                f"weights are now {new}; to say so, add to the mapping: "
+                f'config {{ {field} = "{new}" }}'
+            )
+    return out

@@ -1,0 +1,160 @@
+"""Side files: the ``files { }`` blocks applied to the input folder's other files.
+
+By default every side file of the input folder (``format/sidefiles.py`` says which) goes into
+the output under its own name. Blocks apply in order, statement by statement, to that set:
+
+- ``drop PATTERNS`` removes the files that match (``drop?``: matching nothing is fine);
+- ``rename PATTERN -> TEMPLATE`` gives each match a new name from its captures;
+- ``add "NAME" = VALUE`` writes a new file: a string as UTF-8 text, any other value as JSON.
+
+Every problem is reported, as for tensor rules: a pattern that matches nothing, two files
+given one name, a name the output cannot hold. When side files are not carried
+(``side_files=False``), no block applies and ``exists file`` is false.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from weightmap.compiler.pattern import compile_pattern
+from weightmap.format.sidefiles import FileSpec, bad_file_name
+from weightmap.format.text import json_problem
+from weightmap.language import ast as A
+from weightmap.language.expr import compile_expr, render
+from weightmap.language.values import EvalError, Scope
+from weightmap.plan.plan import SideFile
+
+__all__ = ["apply_files_blocks", "file_exists"]
+
+Report = Callable[[A.Loc, str], None]
+
+
+def file_exists(files: Iterable[FileSpec] | None, pattern: A.Pattern) -> bool:
+    """``exists file "pattern"``: a carried side file of the input matches."""
+    rx = compile_pattern(pattern)
+    return any(rx.fullmatch(f.name) for f in files or ())
+
+
+@dataclass
+class _Entry:
+    source: str | None
+    size: int
+    text: str | None = None
+    origin: A.Loc | None = None
+
+
+class _Files:
+    def __init__(self, files: Iterable[FileSpec], scope: Scope, report: Report) -> None:
+        self.set = {f.name: _Entry(f.name, f.size) for f in files}
+        self.scope = scope
+        self.report = report
+
+    def matches(self, p: A.Pattern) -> list[tuple[str, dict[str, object]]]:
+        rx = compile_pattern(p)
+        found = []
+        for name in self.set:
+            m = rx.fullmatch(name)
+            if m is not None:
+                caps = {k: v for k, v in m.groupdict().items() if not k.startswith("_alt")}
+                found.append((name, caps))
+        return found
+
+    def nothing(self, rule: A.FileRule, p: A.Pattern) -> None:
+        if rule.optional:
+            return
+        close = difflib.get_close_matches(p.text, list(self.set), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        self.report(
+            p.loc,
+            f'files: pattern "{p.text}" matches no side file (write `{rule.op}?` if that is '
+            f"expected){hint}",
+        )
+
+    def apply(self, rule: A.FileRule) -> None:
+        if rule.op == "add":
+            self.add(rule)
+            return
+        for p in rule.patterns:
+            found = self.matches(p)
+            if not found:
+                self.nothing(rule, p)
+            for name, caps in found:
+                entry = self.set.pop(name)
+                if rule.op == "rename":
+                    self.rename(rule, name, caps, entry)
+
+    def rename(self, rule: A.FileRule, name: str, caps: dict[str, object], entry: _Entry) -> None:
+        assert rule.output is not None
+        scope = Scope(self.scope.params, self.scope.config, caps, None, self.scope.exists)
+        try:
+            new = render(rule.output, scope)
+        except EvalError as err:
+            self.report(err.loc, err.message)
+            self.set[name] = entry
+            return
+        entry.origin = rule.loc
+        self.put(rule, new, entry, f"renamed from {name!r}")
+
+    def add(self, rule: A.FileRule) -> None:
+        assert rule.name is not None and rule.value is not None
+        scope = Scope(self.scope.params, self.scope.config, {}, None, self.scope.exists)
+        try:
+            value = compile_expr(rule.value)(scope)
+        except EvalError as err:
+            self.report(err.loc, err.message)
+            return
+        if isinstance(value, str):
+            text = value
+        elif (why := json_problem(value)) is not None:
+            self.report(rule.loc, f"files: the value of {rule.name!r} {why}")
+            return
+        else:
+            text = json.dumps(value, indent=2, ensure_ascii=False) + "\n"
+        size = len(text.encode("utf-8", "surrogatepass"))
+        self.put(rule, rule.name, _Entry(None, size, text, rule.loc), "added")
+
+    def put(self, rule: A.FileRule, name: str, entry: _Entry, how: str) -> None:
+        why = bad_file_name(name)
+        if why is not None:
+            self.report(rule.loc, f"files: side file name {name[:80]!r} ({how}) {why}")
+        elif name in self.set:
+            self.report(
+                rule.loc,
+                f"files: {name!r} ({how}) is already a side file; drop it first (`drop?`)",
+            )
+        else:
+            self.set[name] = entry
+
+    def result(self, report_at: A.Loc) -> tuple[SideFile, ...]:
+        names = sorted(self.set)
+        folders = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)}
+        for clash in sorted(folders & set(names)):
+            self.report(report_at, f"files: {clash!r} is both a file and a folder")
+        return tuple(
+            SideFile(name=n, size=e.size, source=e.source, text=e.text, origin=e.origin)
+            for n in names
+            for e in (self.set[n],)
+        )
+
+
+def apply_files_blocks(
+    blocks: list[A.FilesBlock],
+    files: Iterable[FileSpec] | None,
+    scope: Scope,
+    report: Report,
+    where: A.Loc,
+) -> tuple[SideFile, ...]:
+    """The output's side files: the input's ``files`` after every block, sorted by name.
+
+    ``files`` None means side files are not carried: nothing is, and no block applies.
+    """
+    if files is None:
+        return ()
+    state = _Files(files, scope, report)
+    for block in blocks:
+        for rule in block.stmts:
+            state.apply(rule)
+    return state.result(blocks[-1].loc if blocks else where)

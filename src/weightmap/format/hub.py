@@ -1,0 +1,260 @@
+"""Hugging Face Hub repositories as inputs: ``org/name`` or ``org/name@revision``.
+
+Resolved through ``huggingface_hub`` (the optional extra ``weightmap[hub]``), into its own
+cache, so a model converted once is never downloaded again:
+
+1. the repository's file list comes from the Hub, or, offline (``HF_HUB_OFFLINE=1``) or when
+   the Hub cannot be reached, from the cached snapshot of that revision;
+2. :meth:`HubRepo.fetch` downloads only the files asked for (the weights, their index, the
+   config; then the side files the plan keeps), with huggingface_hub's progress bar, and
+   returns the snapshot folder (``models--org--name/snapshots/<commit>/``, whose files are
+   links into the repository's ``blobs/``), which is read like any checkpoint folder.
+
+Every failure is one line: the extra missing, a repository or revision that does not exist, a
+gated repository, and files that are not cached while the machine is offline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from weightmap.errors import CheckpointError
+from weightmap.format.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
+from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap.format.sidefiles import (
+    MAX_DEPTH,
+    MAX_SIDE_FILES,
+    FileSpec,
+    FolderFiles,
+    bad_file_name,
+    replaced_reason,
+)
+from weightmap.format.text import read_json_file
+
+__all__ = ["HubRepo", "looks_like_repo_id"]
+
+_REPO_ID = re.compile(
+    r"(?P<id>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<rev>[\w./-]+))?"
+)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def looks_like_repo_id(spec: str) -> bool:
+    """True for ``org/name`` and ``org/name@revision`` (checked after the path was not found)."""
+    return _REPO_ID.fullmatch(spec) is not None and ".." not in spec
+
+
+def _hub() -> Any:
+    try:
+        import huggingface_hub
+        import huggingface_hub.constants
+        import huggingface_hub.errors  # submodules the lazy package needs loaded
+    except ImportError:
+        return None
+    return huggingface_hub
+
+
+def _fnmatch_literal(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself (allow_patterns are patterns)."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+class HubRepo:
+    """One revision of a Hub model repository, read through huggingface_hub's cache."""
+
+    def __init__(self, spec: str) -> None:
+        m = _REPO_ID.fullmatch(spec)
+        if m is None:
+            raise ValueError(f"not a repository id: {spec!r}")
+        self.spec = spec
+        self.repo_id: str = m["id"]
+        self.revision: str = m["rev"] or "main"
+        self.hub = _hub()
+        if self.hub is None:
+            raise self._fail(
+                "is not a local folder or file; read as a Hugging Face repository id it needs "
+                "huggingface_hub: pip install 'weightmap[hub]' (or give a local path)",
+                "hub-missing",
+            )
+        self.offline = self._offline()
+        self.commit: str | None = None
+
+    def _fail(self, message: str, rule: str) -> CheckpointError:
+        return CheckpointError(message, path=self.spec, rule=rule)
+
+    def _offline(self) -> bool:
+        env = os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+        return env or bool(getattr(self.hub.constants, "HF_HUB_OFFLINE", False))
+
+    def _cache(self) -> Path:
+        default = self.hub.constants.HF_HUB_CACHE
+        return Path(os.environ.get("HF_HUB_CACHE") or default)
+
+    def cached_snapshot(self) -> Path | None:
+        """The cached snapshot folder of this revision, or None when it is not cached."""
+        storage = self._cache() / f"models--{self.repo_id.replace('/', '--')}"
+        commit = self.commit or (self.revision if _COMMIT.fullmatch(self.revision) else None)
+        if commit is None:
+            ref = storage / "refs" / self.revision
+            try:
+                commit = ref.read_text().strip()
+            except OSError:
+                return None
+        if not _COMMIT.fullmatch(commit):
+            return None
+        folder = storage / "snapshots" / commit
+        return folder if folder.is_dir() else None
+
+    def files(self) -> dict[str, int]:
+        """Every file of the revision and its size: from the Hub, or from the cache offline."""
+        if not self.offline:
+            try:
+                return self._remote_files()
+            except CheckpointError:
+                raise
+            except Exception as err:  # no connection: the cache decides
+                if not self._connection_problem(err):
+                    raise self._translated(err) from None
+                self.offline = True
+        folder = self.cached_snapshot()
+        if folder is None:
+            raise self._fail(
+                f"is not in the local Hugging Face cache ({self._cache()}) and the Hub "
+                f"{'is off (HF_HUB_OFFLINE=1)' if self._offline() else 'cannot be reached'}: "
+                "download it while online, or give a local folder",
+                "hub-offline",
+            )
+        return {
+            p.relative_to(folder).as_posix(): p.stat().st_size
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
+
+    def _remote_files(self) -> dict[str, int]:
+        api = self.hub.HfApi()
+        info = api.repo_info(self.repo_id, revision=self.revision)
+        self.commit = info.sha
+        out = {}
+        for entry in api.list_repo_tree(self.repo_id, recursive=True, revision=self.commit):
+            size = getattr(entry, "size", None)
+            if size is not None and not hasattr(entry, "tree_id"):
+                out[entry.path] = int(size)
+        return out
+
+    def _connection_problem(self, err: Exception) -> bool:
+        errors = self.hub.errors
+        if isinstance(err, getattr(errors, "OfflineModeIsEnabled", ())):
+            return True
+        if isinstance(err, getattr(errors, "HfHubHTTPError", ())):
+            return False
+        return isinstance(err, (OSError, ConnectionError)) or "Connect" in type(err).__name__
+
+    def _translated(self, err: Exception) -> CheckpointError:
+        errors = self.hub.errors
+        name = type(err).__name__
+        if isinstance(err, getattr(errors, "RevisionNotFoundError", ())):
+            return self._fail(f"the repository has no revision {self.revision!r}", "hub-revision")
+        if isinstance(err, getattr(errors, "GatedRepoError", ())):
+            return self._fail(
+                "is a gated repository: accept its terms on the Hub and log in (hf auth login)",
+                "hub-gated",
+            )
+        if isinstance(err, getattr(errors, "RepositoryNotFoundError", ())):
+            return self._fail(
+                "is no repository on the Hub (or a private one: log in with hf auth login)",
+                "hub-not-found",
+            )
+        return self._fail(f"the Hub refused the request ({name}: {err})", "hub")
+
+    def fetch(self, names: list[str], *, progress: bool = True) -> Path:
+        """The snapshot folder, holding at least ``names`` (downloaded where missing)."""
+        if self.offline or not names:
+            folder = self.cached_snapshot()
+        else:
+            kwargs: dict[str, Any] = {}
+            if not progress:
+                from tqdm.auto import tqdm
+
+                class _Quiet(tqdm):  # type: ignore[type-arg]  # huggingface_hub's bar, silenced
+                    def __init__(self, *args: Any, **kw: Any) -> None:
+                        kw["disable"] = True
+                        super().__init__(*args, **kw)
+
+                kwargs["tqdm_class"] = _Quiet
+            try:
+                folder = Path(
+                    self.hub.snapshot_download(
+                        self.repo_id,
+                        revision=self.commit or self.revision,
+                        allow_patterns=[_fnmatch_literal(n) for n in names],
+                        **kwargs,
+                    )
+                )
+            except Exception as err:
+                raise self._translated(err) from None
+        missing = sorted(n for n in names if folder is None or not (folder / n).is_file())
+        if missing or folder is None:
+            raise self._fail(
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                f"{'is' if len(missing) == 1 else 'are'} not in the local Hugging Face cache "
+                f"({self._cache()}) and the Hub cannot be used "
+                f"({'HF_HUB_OFFLINE=1' if self._offline() else 'no connection'}): download "
+                "while online, or give a local folder",
+                "hub-offline",
+            )
+        return folder
+
+    def checkpoint_files(self, files: dict[str, int], config_name: str) -> list[str]:
+        """What opening the checkpoint reads, as ``Checkpoint.open`` looks for it: an index and
+        its shards, or one weights file; and the config. The index is fetched to find the
+        shards."""
+        configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
+        for index_name in (INDEX_NAME, PICKLE_INDEX):
+            if index_name in files:
+                index = read_json_file(self.fetch([index_name]) / index_name, "the index")
+                weight_map = index.get("weight_map") if isinstance(index, dict) else None
+                shards = sorted(
+                    {s for s in (weight_map or {}).values() if isinstance(s, str) and "/" not in s}
+                )
+                absent = [s for s in shards if s not in files]
+                if absent and not self.offline:
+                    raise self._fail(
+                        f"{index_name} names shard(s) the repository does not have: "
+                        f"{', '.join(absent[:5])}",
+                        "missing-shard",
+                    )
+                return [index_name, *shards, *configs]
+        for single in (SINGLE_NAME, PICKLE_SINGLE):
+            if single in files:
+                return [single, *configs]
+        pickles = sorted(n for n in files if "/" not in n and n.endswith((".pt", ".pth")))
+        if len(pickles) != 1:
+            found = f": it has {', '.join(pickles[:4])}" if pickles else ""
+            raise self._fail(
+                f"holds no checkpoint weightmap reads ({SINGLE_NAME} or its index, "
+                f"{PICKLE_SINGLE} or its index, or one .pt/.pth file){found}",
+                "layout",
+            )
+        return [pickles[0], *configs]
+
+    def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
+        """The repository's side files (``format/sidefiles.py`` says which), not yet fetched."""
+        if len(files) > MAX_SIDE_FILES:
+            raise self._fail(
+                f"the repository holds {len(files):,} files, more than the {MAX_SIDE_FILES:,} a "
+                "conversion carries; to convert the weights alone, turn side files off "
+                "(--no-side-files, side_files=False)",
+                "too-many-files",
+            )
+        kept = [
+            FileSpec(name, size)
+            for name, size in sorted(files.items())
+            if replaced_reason(name, config_name) is None
+            and bad_file_name(name) is None
+            and name.count("/") < MAX_DEPTH
+        ]
+        return FolderFiles(tuple(kept))

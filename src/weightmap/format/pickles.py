@@ -1,0 +1,306 @@
+"""PyTorch checkpoints (``pytorch_model.bin``, ``.pt``, ``.pth``): read without running code,
+in bounded memory.
+
+A file is loaded with ``torch.load(weights_only=True, mmap=True)``: the restricted unpickler
+builds tensors and plain containers and nothing else (a pickle that needs a class or a
+function is refused), and every tensor is a view of the file mapped copy-on-write, so no
+tensor byte is read until it is used.
+
+Bytes without torch: ``torch.save`` writes a zip archive whose members are stored
+uncompressed, one per storage (``<archive>/data/<key>``). A tensor that is contiguous in its
+storage is therefore one byte range of the file: the storage member's data offset, plus the
+tensor's storage offset times its element size, ``numel * itemsize`` bytes long. The
+streaming executor copies such ranges in the kernel, as it does safetensors data. Which member
+holds which storage is found by address: all storages are slices of one mapping of the whole
+file, so a storage's address minus the mapping's start is its file offset, checked against
+the archive's directory. A tensor that is not contiguous (a saved ``w.t()``) has no such
+range; it is marked ``strided`` and read through its view (the executor computes it). Tensors
+sharing a storage (tied embeddings) are ranges that overlap, which reading allows.
+
+Refused with a one-line error that says what to do: the legacy (pre-zip) format, which
+cannot be mapped; pickles that need code (custom classes, numpy arrays); TorchScript
+archives; a big-endian archive; dtypes safetensors has no name for; anything that is not a
+dict of tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import pickle
+import re
+import struct
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from weightmap.errors import CheckpointError
+from weightmap.format.dtypes import DTYPES
+from weightmap.format.header import Header, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "PICKLE_SUFFIXES",
+    "STATE_DICT_KEYS",
+    "PickleHeader",
+    "is_pickle",
+    "read_pickle",
+    "release_pages",
+]
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# Training checkpoints keep the weights one level down; other entries (optimizer, epoch) are
+# ignored.
+STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+# data.pkl of a state dict is a few MB even for 100,000 tensors.
+MAX_PICKLE_BYTES = 256 * 2**20
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+
+
+@dataclass(frozen=True)
+class PickleHeader(Header):
+    """What a PyTorch checkpoint holds, in the shape of a safetensors :class:`Header`.
+
+    ``TensorInfo.begin``/``end`` are file offsets (``data_start`` is 0); for the tensors in
+    ``strided`` they only give the size, as those are no single byte range.
+    """
+
+    strided: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @property
+    def data_start(self) -> int:
+        """Offsets are absolute in a PyTorch checkpoint."""
+        return 0
+
+
+def is_pickle(path: Path) -> bool:
+    """True for the file names PyTorch checkpoints use (``.bin``, ``.pt``, ``.pth``)."""
+    return path.name.endswith(PICKLE_SUFFIXES)
+
+
+def _fail(path: Path, message: str, rule: str = "pickle") -> CheckpointError:
+    return CheckpointError(message, path=path, rule=rule)
+
+
+def _torch_dtypes() -> dict[Any, str]:
+    import torch
+
+    out = {}
+    for dt in DTYPES.values():
+        if dt.torch_name and dt.name != "F4" and hasattr(torch, dt.torch_name):
+            out[getattr(torch, dt.torch_name)] = dt.name
+    return out
+
+
+def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
+    """``{key: (data offset, size)}`` of the storage members, and the byteorder record
+    (nothing for a file that is no zip archive: loading it says what it is)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return {}, None
+        with zipfile.ZipFile(path) as z, path.open("rb") as f:
+            infos = z.infolist()
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise _fail(path, "is a zip archive but not a PyTorch checkpoint (no data.pkl)")
+            if pickles[0].file_size > MAX_PICKLE_BYTES:
+                raise _fail(
+                    path,
+                    f"its pickle is {pickles[0].file_size:,} bytes, over the "
+                    f"{MAX_PICKLE_BYTES:,}-byte limit (a state dict's is a few MB)",
+                    "pickle-too-large",
+                )
+            prefix = pickles[0].filename[: -len("data.pkl")]
+            byteorder = None
+            members = {}
+            for info in infos:
+                if info.filename == prefix + "byteorder":
+                    byteorder = z.read(info)
+                if not info.filename.startswith(prefix + "data/"):
+                    continue
+                f.seek(info.header_offset)
+                local = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+                if local[0] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+                    raise _fail(path, f"storage {info.filename} is not stored uncompressed")
+                start = info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
+                members[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
+            return members, byteorder
+    except CheckpointError:
+        raise
+    except (
+        zipfile.BadZipFile,
+        struct.error,
+        OSError,
+        ValueError,
+        NotImplementedError,
+        EOFError,
+    ) as err:
+        # ValueError covers UnicodeDecodeError (a damaged member name).
+        raise _fail(path, f"is a damaged zip archive ({type(err).__name__}: {err})") from None
+
+
+def _load(path: Path) -> Any:
+    import torch
+
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if not magic.startswith(b"PK"):
+        if magic[:1] == b"\x80":
+            raise _fail(
+                path,
+                "is a PyTorch checkpoint in the legacy (pre-1.6, non-zip) format, which cannot be "
+                'memory-mapped; save it again in the zip format first (python -c "import torch; '
+                f"torch.save(torch.load('{path.name}', weights_only=True), 'model.pt')\")",
+                "pickle-legacy",
+            )
+        raise _fail(path, "is neither a PyTorch checkpoint (a zip archive) nor safetensors")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. TypedStorage deprecation in old archives
+            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise _fail(
+            path,
+            f"holds objects that loading would have to run code for{what}, and weightmap never "
+            "runs code from a checkpoint; if you trust the file, load it yourself and save the "
+            "state dict alone (torch.save(model.state_dict(), ...) or safetensors' save_file)",
+            "pickle-code",
+        ) from None
+    except Exception as err:  # a damaged archive makes torch raise anything; none may leak
+        text = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        if "TorchScript" in text:
+            text = "a TorchScript archive, not a state dict; save model.state_dict() instead"
+        raise _fail(path, f"cannot be read as a PyTorch checkpoint: {text}") from None
+
+
+def _state_dict(path: Path, obj: Any) -> dict[str, torch.Tensor]:
+    import torch
+
+    if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        nested = [k for k in STATE_DICT_KEYS if isinstance(obj.get(k), dict)]
+        if len(nested) == 1:
+            obj = obj[nested[0]]
+    if not isinstance(obj, dict):
+        raise _fail(path, f"holds a {type(obj).__name__}, not a dict of tensors (a state dict)")
+    bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        shown = ", ".join(repr(k)[:80] for k in bad[:5])
+        raise _fail(
+            path,
+            f"is not a state dict: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} ({shown}) "
+            f"are not tensors named by strings (weights nested under one of "
+            f"{', '.join(STATE_DICT_KEYS)} are found)",
+        )
+    return obj
+
+
+def _storage_offsets(
+    tensors: Mapping[str, torch.Tensor], members: dict[str, tuple[int, int]]
+) -> dict[int, int] | None:
+    """File offset of each storage, by its address; None where the addresses do not line up
+    with the archive (then every tensor is read through its view)."""
+    ptrs: dict[int, int] = {}
+    for t in tensors.values():
+        st = t.untyped_storage()
+        if st.nbytes():
+            ptrs[st.data_ptr()] = st.nbytes()
+    sizes = {start: size for start, size in members.values() if size}
+    if not ptrs or not sizes:
+        return None
+    # The mapping's start is the lowest storage's address minus its member's offset; which
+    # member that is, is not known (storages of an ignored optimizer may come first), so each
+    # is tried, and only a start under which every storage is a member of its size is taken.
+    lowest = min(ptrs)
+    for first in sorted(sizes):
+        base = lowest - first
+        if all(sizes.get(ptr - base, -1) >= nbytes for ptr, nbytes in ptrs.items()):
+            return {ptr: ptr - base for ptr in ptrs}
+    return None
+
+
+def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
+    """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
+    tensors, each a copy-on-write view of the memory-mapped file."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise _fail(p, "file does not exist", "missing") from None
+    members, byteorder = _members(p)
+    tensors = _state_dict(p, _load(p))
+    if byteorder not in (None, b"little"):
+        raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
+    import torch
+
+    names = _torch_dtypes()
+    offsets = _storage_offsets(tensors, members)
+    infos: dict[str, TensorInfo] = {}
+    strided = set()
+    for name, t in tensors.items():
+        if t.layout != torch.strided or t.device.type != "cpu":
+            raise _fail(p, f"tensor {name!r} is not a dense tensor ({t.layout})")
+        dtype = names.get(t.dtype)
+        if dtype is None:
+            raise _fail(p, f"tensor {name!r} is {t.dtype}, which safetensors has no name for")
+        size = int(t.numel()) * t.element_size()
+        storage = t.untyped_storage()
+        begin = int(t.storage_offset()) * t.element_size()
+        if offsets is not None and storage.data_ptr() in offsets and t.is_contiguous():
+            begin += offsets[storage.data_ptr()]
+        elif size:
+            strided.add(name)
+        infos[name] = TensorInfo(name, dtype, tuple(t.shape), begin, begin + size)
+    header = PickleHeader(
+        path=str(p),
+        header_size=0,
+        tensors=MappingProxyType(infos),
+        metadata=None,
+        file_size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        strided=frozenset(strided),
+    )
+    return header, tensors
+
+
+_MADV_DONTNEED = 4  # Linux; mmap.MADV_DONTNEED where Python defines it
+
+
+def release_pages(
+    header: PickleHeader, tensors: Mapping[str, torch.Tensor], begin: int, end: int
+) -> None:
+    """Drop from this process the mapped pages of bytes ``[begin, end)`` of the file.
+
+    torch maps the whole file once; its start is found from a tensor with a byte range (its
+    address minus its file offset) and must be page-aligned, or nothing is done. As
+    ``Checkpoint.release`` for safetensors: the bytes stay in the page cache, a later read maps
+    them again, and anything written through a view of those pages is lost, so only for
+    readers that never write to their views.
+    """
+    anchor = next(
+        (n for n, info in header.tensors.items() if info.nbytes and n not in header.strided), None
+    )
+    if anchor is None or end <= begin or not hasattr(ctypes, "CDLL"):
+        return
+    base = tensors[anchor].data_ptr() - header.tensors[anchor].begin
+    page = mmap.PAGESIZE
+    if base % page:
+        return
+    start = begin - begin % page
+    stop = min(end + -end % page, header.file_size + -header.file_size % page)
+    if stop <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(base + start, stop - start, getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED))
+    except (AttributeError, OSError):  # no madvise here: the pages stay, which is only memory
+        return

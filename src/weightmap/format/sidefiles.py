@@ -1,0 +1,317 @@
+"""Side files: the other files of a model folder, carried into the output byte for byte.
+
+A model folder is more than its weights and config.json: the tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``, ``tokenizer.model``), the chat template,
+``generation_config.json``, ``preprocessor_config.json``, custom code behind ``auto_map``,
+``README.md``. :func:`list_side_files` says which of them a conversion carries:
+
+- every regular file of the folder and its subfolders, named by its path relative to the
+  folder (``tokenizer/vocab.json``);
+- not the files the conversion replaces: ``config.json`` (and a JSON file read as the config
+  instead, such as Meta's ``params.json``), weights in any format (``.safetensors``, ``.bin``,
+  ``.pt``, ``.pth``, ...: they hold the unconverted tensors) and their indexes;
+- not hidden files and folders (``.git``, ``.cache``, ``.gitattributes``, weightmap's own
+  journal and temporaries);
+- a symbolic link is followed when it ends at a regular file inside the folder or, in a hub
+  cache's ``snapshots/<revision>/``, in that repository's ``blobs/`` (the file is copied, not
+  the link); a link that leaves the folder, a dangling link, a link to a folder, a FIFO, a
+  socket or a device is skipped with a warning.
+
+:func:`copy_file` copies one file in the kernel (``copy_file_range``), never through memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from weightmap.errors import CheckpointError, ExecutionError
+from weightmap.format.layout import CONFIG_NAME
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_SIDE_FILES",
+    "WEIGHT_SUFFIXES",
+    "FileSpec",
+    "FolderFiles",
+    "bad_file_name",
+    "copy_file",
+    "list_side_files",
+    "open_side_file",
+    "replaced_reason",
+    "same_bytes",
+]
+
+# Weights in the formats people publish; any of them beside the converted output would be the
+# old tensors under old names.
+WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx",
+)  # fmt: skip
+# A model folder holds tens of files; a walk that finds more is not in one (a home folder).
+MAX_SIDE_FILES = 10_000
+MAX_DEPTH = 16
+MAX_NAME_CHARS = 1024
+_COPY_CHUNK = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One side file of the input: its path relative to the folder, and its size."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class FolderFiles:
+    """The side files of a folder, and a warning for each entry skipped for safety."""
+
+    files: tuple[FileSpec, ...] = ()
+    skipped: tuple[str, ...] = ()
+
+
+def replaced_reason(name: str, config_name: str = CONFIG_NAME) -> str | None:
+    """Why the conversion does not carry the file ``name`` (a relative path), or None.
+
+    >>> replaced_reason("pytorch_model-00001-of-00002.bin"), replaced_reason("tokenizer.json")
+    ('weights', None)
+    """
+    parts = PurePosixPath(name).parts
+    if any(p.startswith(".") for p in parts):
+        return "hidden"
+    if name in (CONFIG_NAME, config_name):
+        return "config"
+    lower = parts[-1].lower()
+    if lower.endswith(".index.json"):
+        lower = lower[: -len(".index.json")]
+        if lower.endswith(WEIGHT_SUFFIXES):
+            return "index"
+    if lower.endswith(WEIGHT_SUFFIXES):
+        return "weights"
+    return None
+
+
+def bad_file_name(name: str) -> str | None:
+    """Why ``name`` cannot be an output side file's name, or None if it can.
+
+    A relative path of plain components inside the output folder: no absolute path, ``..``,
+    ``.``, empty components, backslashes or control characters, and not a file the conversion
+    itself writes (config.json, weights, indexes).
+    """
+    if not name:
+        return "is empty"
+    if len(name) > MAX_NAME_CHARS:
+        return f"is longer than {MAX_NAME_CHARS} characters"
+    if any(ord(ch) < 32 or ch == "\x7f" for ch in name) or "\\" in name:
+        return "contains a control character or a backslash"
+    if name.startswith("/"):
+        return "is an absolute path; side files are named relative to the output folder"
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "has an empty, `.` or `..` component"
+    if any(len(p.encode("utf-8", "replace")) > 255 for p in parts):
+        return "has a component longer than 255 bytes"
+    if parts[0].startswith(".weightmap"):
+        return "is reserved for weightmap's own files"
+    if replaced_reason(name) in ("config", "weights", "index"):
+        return "is written by the conversion itself (config.json, weights and indexes)"
+    return None
+
+
+def _cache_blobs(root: Path) -> Path | None:
+    """The ``blobs/`` folder whose files a hub cache snapshot's links point to, or None."""
+    snapshots = root.parent
+    return snapshots.parent / "blobs" if snapshots.name == "snapshots" else None
+
+
+def _inside(resolved: Path, root: Path) -> bool:
+    blobs = _cache_blobs(root)
+    return resolved.is_relative_to(root) or (blobs is not None and resolved.parent == blobs)
+
+
+class _Walk:
+    """The state of one listing: what was found, what was skipped and why."""
+
+    def __init__(self, root: Path, config_name: str, exclude: Iterable[Path]) -> None:
+        self.root = root.resolve()
+        self.config_name = config_name
+        self.exclude = {p.resolve() for p in exclude}
+        self.files: list[FileSpec] = []
+        self.skipped: list[str] = []
+        self.seen = 0
+
+    def skip(self, name: str, why: str) -> None:
+        self.skipped.append(f"side file {name!r} is not carried: {why}")
+
+    def count(self) -> None:
+        self.seen += 1
+        if self.seen > MAX_SIDE_FILES:
+            raise CheckpointError(
+                f"the folder holds more than {MAX_SIDE_FILES:,} files and folders, far more than "
+                "a model folder; is it the right folder? To convert the weights alone, turn side "
+                "files off (--no-side-files, side_files=False)",
+                path=self.root,
+                rule="too-many-files",
+            )
+
+    def folder(self, path: Path, rel: str, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as err:
+            self.skip(rel or ".", f"the folder cannot be read ({err.strerror})")
+            return
+        for entry in entries:
+            self.count()
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            if replaced_reason(name, self.config_name) is not None:
+                continue
+            self.entry(entry, name, depth)
+
+    def entry(self, entry: os.DirEntry[str], name: str, depth: int) -> None:
+        path = Path(entry.path)
+        if path.resolve() in self.exclude:
+            return
+        try:
+            link = entry.is_symlink()
+            st = os.stat(path) if link else entry.stat(follow_symlinks=False)
+        except OSError:
+            self.skip(name, "it is a link to nothing")
+            return
+        if link and not _inside(path.resolve(), self.root):
+            self.skip(name, f"it is a link that leaves the folder (to {path.resolve()})")
+        elif stat.S_ISDIR(st.st_mode):
+            if link:
+                self.skip(name, "it is a link to a folder (links to folders are not followed)")
+            elif depth >= MAX_DEPTH:
+                self.skip(name, f"it is nested deeper than {MAX_DEPTH} folders")
+            else:
+                self.folder(path, name, depth + 1)
+        elif not stat.S_ISREG(st.st_mode):
+            self.skip(name, f"it is a {_kind(st.st_mode)}, not a regular file")
+        elif len(name) > MAX_NAME_CHARS or bad_file_name(name) is not None:
+            self.skip(name[:200], "its name cannot be written")
+        else:
+            self.files.append(FileSpec(name, st.st_size))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "special file"
+
+
+def list_side_files(
+    root: str | os.PathLike[str], *, config_name: str = CONFIG_NAME, exclude: Iterable[Path] = ()
+) -> FolderFiles:
+    """The side files of the folder ``root`` (see the module docstring), sorted by name.
+
+    ``config_name`` is the file read as the config (not carried); ``exclude`` lists paths to
+    leave out (an output folder inside the input folder).
+    """
+    walk = _Walk(Path(root), config_name, exclude)
+    walk.folder(walk.root, "", 0)
+    return FolderFiles(tuple(walk.files), tuple(walk.skipped))
+
+
+def open_side_file(root: Path, name: str, size: int) -> int:
+    """A read-only descriptor of side file ``name``, checked as the listing checked it.
+
+    Refused (``CheckpointError``): a name that leaves the folder, a link that now points
+    elsewhere, anything but a regular file, and a size other than the planned one (rule
+    ``changed``: the folder changed since the plan was made).
+    """
+    real_root = root.resolve()
+    path = real_root / name
+    resolved = path.resolve()
+    if bad_file_name(name) is not None or not _inside(resolved, real_root):
+        raise CheckpointError(f"side file {name!r} leaves the folder", path=root, rule="side-file")
+    try:
+        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as err:
+        raise CheckpointError(
+            f"side file {name!r} cannot be opened ({err.strerror}); the folder changed since the "
+            "plan was made: run the conversion again",
+            path=root,
+            rule="changed",
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        raise CheckpointError(
+            f"side file {name!r} changed since the plan was made (now {st.st_size:,} bytes, "
+            f"planned {size:,}); run the conversion again",
+            path=root,
+            rule="changed",
+        )
+    return fd
+
+
+def copy_file(src_fd: int, dst: Path, size: int) -> None:
+    """Copy ``size`` bytes of ``src_fd`` into the new file ``dst``, in the kernel if possible,
+    and fsync it.
+
+    ``copy_file_range`` moves the bytes inside the kernel (or shares extents on file systems
+    that can), so a large side file never passes through memory; where it is unavailable,
+    bounded chunks go through user space.
+    """
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        done = 0
+        kernel = hasattr(os, "copy_file_range")
+        while done < size:
+            n = 0
+            if kernel:
+                try:
+                    n = os.copy_file_range(src_fd, fd, size - done, done, done)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    kernel = False
+            if not kernel:
+                chunk = os.pread(src_fd, min(size - done, _COPY_CHUNK), done)
+                view = memoryview(chunk)
+                while view:
+                    written = os.pwrite(fd, view, done + len(chunk) - len(view))
+                    view = view[written:]
+                n = len(chunk)
+            if n == 0:
+                raise ExecutionError(
+                    f"{dst.name}: the source ended after {done:,} of {size:,} bytes (it changed "
+                    "while it was copied); nothing was committed"
+                )
+            done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def same_bytes(a: int, b: Path, size: int) -> bool:
+    """True when the file ``b`` holds exactly the ``size`` bytes of descriptor ``a``.
+
+    Read in bounded chunks, never whole.
+    """
+    try:
+        fd = os.open(b, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != size:
+            return False
+        done = 0
+        while done < size:
+            want = min(_COPY_CHUNK, size - done)
+            x, y = os.pread(a, want, done), os.pread(fd, want, done)
+            if x != y or not x:
+                return False
+            done += len(x)
+        return True
+    finally:
+        os.close(fd)

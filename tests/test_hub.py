@@ -1,0 +1,202 @@
+"""Hub repository ids as inputs, offline: a cache folder in huggingface_hub's exact layout
+(``models--org--name/{refs,snapshots/<commit>,blobs}``, files linked into blobs/); and, with
+huggingface_hub's API replaced by a fake, that only the files the plan needs are fetched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import weightmap
+from weightmap.errors import CheckpointError
+
+hub = pytest.importorskip("huggingface_hub")
+pytest.importorskip("huggingface_hub.constants")
+pytest.importorskip("huggingface_hub.errors")
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+SIDE = {"README.md": "# tiny\n", "tokenizer.json": '{"v": 1}\n', "tok/vocab.txt": "a\nb\n"}
+
+
+def cache_repo(
+    cache: Path, src: Path, repo_id: str = "org/tiny", skip: tuple[str, ...] = ()
+) -> Path:
+    """Put ``src``'s files into ``cache`` as huggingface_hub stores a downloaded revision."""
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = storage / "snapshots" / COMMIT
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / "main").write_text(COMMIT)
+    (storage / "refs" / "v1").write_text(COMMIT)
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        name = path.relative_to(src).as_posix()
+        if name in skip:
+            continue
+        data = path.read_bytes()
+        blob = storage / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snap / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snap
+
+
+def _model(tmp_path: Path, example: Path) -> Path:
+    src = tmp_path / "model"
+    shutil.copytree(example, src)
+    for name, text in SIDE.items():
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_text(text)
+    return src
+
+
+def _run(*args: str, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.run(
+        [sys.executable, "-m", "weightmap", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+    )
+
+
+@pytest.mark.parametrize("spec", ["org/tiny", "org/tiny@v1", f"org/tiny@{COMMIT}"])
+def test_convert_a_cached_repo_offline(tmp_path: Path, example: Path, spec: str) -> None:
+    src = _model(tmp_path, example)
+    cache_repo(tmp_path / "cache", src)
+    out = tmp_path / "out"
+    r = _run("convert", spec, str(out), "--preset", "eagle3-sglang", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.safetensors").stat().st_size == (src / "model.safetensors").stat().st_size
+    for name, text in SIDE.items():
+        assert (out / name).read_text() == text and not (out / name).is_symlink()
+
+
+def test_remap_a_repo_id(tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", verify=True)
+    assert sorted(f.name for f in result.plan.files) == sorted(SIDE)
+    plan = weightmap.compile("org/tiny", preset="eagle3-sglang")
+    assert len(plan.outputs) == 16
+
+
+def test_offline_and_not_cached(tmp_path: Path, example: Path) -> None:
+    r = _run("convert", "org/absent", str(tmp_path / "o"), "--preset", "x", cache=tmp_path)
+    assert r.returncode == 2  # the preset is checked first
+    r = _run(
+        "convert", "org/absent", str(tmp_path / "o"), "--preset", "eagle3-sglang", cache=tmp_path
+    )
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "org/absent: is not in the local Hugging Face cache" in r.stderr
+    assert "HF_HUB_OFFLINE=1" in r.stderr and "[hub-offline]" in r.stderr
+
+
+def test_a_shard_missing_from_the_cache(tmp_path: Path, example: Path) -> None:
+    src = _model(tmp_path, example)
+    weightmap.remap(example, src / "sharded", preset="eagle3-sglang", max_shard_size="50KB")
+    shard = sorted((src / "sharded").glob("model-00002-of-*.safetensors"))[0].name
+    cache_repo(tmp_path / "cache", src / "sharded", skip=(shard,))
+    r = _run("inspect", "org/tiny", cache=tmp_path / "cache")
+    assert r.returncode == 1, r.stdout
+    assert f"{shard} is not in the local Hugging Face cache" in r.stderr
+
+
+def test_inspect_and_plan_take_repo_ids(tmp_path: Path, example: Path) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    r = _run("plan", "org/tiny", "--preset", "eagle3-sglang", cache=tmp_path / "cache")
+    assert r.returncode == 0 and "3 side file(s)" in r.stdout, r.stderr
+
+
+def test_without_the_extra(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['huggingface_hub'] = None\n"
+        "from weightmap.cli import main\n"
+        "sys.exit(main(['inspect', 'org/name']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr == (
+        "weightmap: error: org/name: is not a local folder or file; read as a Hugging Face "
+        "repository id it needs huggingface_hub: pip install 'weightmap[hub]' (or give a local "
+        "path) [hub-missing]\n"
+    )
+
+
+class _FakeFile:
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+
+
+def test_only_the_files_the_plan_needs_are_downloaded(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = _model(tmp_path, example)
+    (remote / "pytorch_model.bin").write_bytes(b"the same weights, pickled")
+    (remote / ".gitattributes").write_text("*.bin filter=lfs\n")
+    files = {p.relative_to(remote).as_posix(): p for p in remote.rglob("*") if p.is_file()}
+    asked: list[list[str]] = []
+
+    class FakeApi:
+        def repo_info(self, repo_id: str, revision: str) -> Any:
+            return type("Info", (), {"sha": COMMIT})()
+
+        def list_repo_tree(self, repo_id: str, recursive: bool, revision: str) -> list[_FakeFile]:
+            return [_FakeFile(n, p.stat().st_size) for n, p in files.items()]
+
+    def fake_download(repo_id: str, revision: str, allow_patterns: list[str], **kw: Any) -> str:
+        asked.append(sorted(allow_patterns))
+        wanted = {n: p for n, p in files.items() if n in allow_patterns}
+        staged = tmp_path / "staged"
+        shutil.rmtree(staged, ignore_errors=True)
+        for n, p in wanted.items():
+            (staged / n).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(p, staged / n)
+        return str(cache_repo(tmp_path / "cache", staged))
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    monkeypatch.setattr(hub, "snapshot_download", fake_download)
+    mapping = 'weightmap 1\nunmatched keep\nfiles {\n    drop "README.md"\n}\n'
+    result = weightmap.remap("org/tiny", tmp_path / "out", mapping=mapping, progress=False)
+    # The weights and config first, then the side files the plan keeps; never the .bin copy
+    # of the weights, the dropped README or the hidden files.
+    assert asked == [["config.json", "model.safetensors"], ["tok/vocab.txt", "tokenizer.json"]]
+    assert sorted(f.name for f in result.plan.files) == ["tok/vocab.txt", "tokenizer.json"]
+    assert (tmp_path / "out" / "tok" / "vocab.txt").read_text() == "a\nb\n"
+
+
+def test_hub_errors_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Missing:
+        def repo_info(self, repo_id: str, revision: str) -> Any:
+            raise hub.errors.RepositoryNotFoundError("404", response=_Response())
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HfApi", Missing)
+    with pytest.raises(CheckpointError) as info:
+        weightmap.compile("org/nothing", preset="eagle3-sglang")
+    assert info.value.rule == "hub-not-found"
+    assert "is no repository on the Hub" in str(info.value)
+
+
+class _Response:
+    status_code = 404
+    headers: dict[str, str] = {}  # noqa: RUF012
+    url = "https://huggingface.co"
+    request = None
+
+    def json(self) -> dict[str, str]:
+        return json.loads("{}")
