@@ -113,6 +113,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         progress=progress,
         workers=args.workers,
         layout=args.layout,
+        executor="ray" if args.ray or args.ray_address else "local",
+        ray_address=args.ray_address,
     )
     _warn(result.plan)
     if not quiet:
@@ -305,7 +307,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--verify", action="store_true", help="re-read and check the output")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
-    p.add_argument("--workers", type=int, default=None, help="writer threads")
+    p.add_argument(
+        "--workers", type=int, default=None, help="writer threads (with --ray: tasks at once)"
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run as tasks on a Ray cluster (RAY_ADDRESS, one started on this machine with "
+        "`ray start`, or a new local one); input and output on a filesystem every node "
+        "mounts at the same path",
+    )
+    p.add_argument(
+        "--ray-address", metavar="ADDRESS", default=None, help="the Ray cluster's (implies --ray)"
+    )
     p.add_argument(
         "--layout",
         choices=LAYOUTS,
