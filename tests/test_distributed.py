@@ -335,3 +335,13 @@ def _quant(root: Path) -> Path:
         root / "model.safetensors",
     )
     return root
+
+
+def test_plan_without_bytes_needs_no_task(tmp_path: Path) -> None:
+    save_file({"e": torch.zeros(0, 3), "f": torch.zeros(2, 0)}, tmp_path / "model.safetensors")
+    plan = weightmap.compile(tmp_path, mapping='weightmap 1\ncast "e" to bf16\nunmatched keep\n')
+    tasks, _ = split(tmp_path, plan, slots=2, chunk_bytes=1 << 20, checksum=True)
+    assert tasks == []
+    local, by_tasks = run_both(tmp_path, plan)
+    assert folder_bytes(tmp_path / "tasks") == folder_bytes(tmp_path / "local")
+    assert by_tasks == local

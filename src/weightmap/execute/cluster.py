@@ -108,8 +108,11 @@ def _connect(ray: ModuleType, address: str | None) -> bool:
     machine, or a new local one); True if this call started the connection."""
     if ray.is_initialized():
         return False
+    options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    if not (address or "").startswith("ray://"):  # Ray Client takes no local-cluster options
+        options["include_dashboard"] = False  # a new local cluster starts faster without it
     try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
         raise ExecutionError(
             f"cannot connect to the Ray cluster at {address or 'the default address'}: {exc}"
@@ -163,9 +166,13 @@ def _run(
     dest: str,
 ) -> list[TaskReport]:
     """Run the tasks, at most ``slots`` at once, in order; their reports."""
-    remote = ray.remote(num_cpus=1, max_retries=max_retries, retry_exceptions=False)(
-        _entry(task_module.run_task)
-    )
+    remote = ray.remote(
+        num_cpus=1,
+        max_retries=max_retries,
+        retry_exceptions=False,
+        # Over every node, not packed onto the first: each brings its own disk and network.
+        scheduling_strategy="SPREAD",
+    )(_entry(task_module.run_task))
     actor = None if progress is None else _progress_actor(ray)
     run = tasks[0].folder if tasks else ""  # names this conversion to the actor
     asked = None  # the total asked of the actor, not yet answered
