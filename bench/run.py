@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench_ray import kept_section
 from checkpoints import (
     CAST_TO_BF16,
     CAST_TO_F32,
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
         many,
         cow,
     )
+    if args.out.exists():
+        # The Ray executor's section is bench/bench_ray.py's: carried over as it was.
+        text = text.rstrip("\n") + "\n" + kept_section(args.out.read_text())
     args.out.write_text(text)
     _write_raw(results, ops, many, cow)
     log(f"wrote {args.out} in {seconds / 60:.1f} min ({runner.jobs} jobs)")
