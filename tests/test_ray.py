@@ -1,8 +1,9 @@
 """The executor on a Ray cluster (a local one of 2 CPUs, started once per test session).
 
 Its output must be byte for byte the local executor's for any plan and any split of the work,
-also after a worker is killed in the middle of a task; a task that fails for good fails the
-conversion with the local executor's error and leaves nothing behind.
+also after a worker is killed in the middle of a task, and on copy-on-write filesystems where
+the tasks clone; a task that fails for good fails the conversion with the local executor's
+error and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from weightmap.format.atomic import TMP_MARKER
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
 from weightmap.plan.plan import Plan
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import cowfs  # bench/cowfs.py: mounting images, reading extents
 
 SRC = Path(weightmap.__file__).resolve().parent
 Report = Callable[[int], None] | None
@@ -288,3 +294,35 @@ def test_ray_missing_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         weightmap.remap(tmp_path, tmp_path / "out", mapping=text, executor="ray")
     with pytest.raises(ValueError, match="unknown executor"):
         weightmap.remap(tmp_path, tmp_path / "out", mapping=text, executor="dask")  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=cowfs.KINDS)
+def cow(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A loop-mounted copy-on-write filesystem (as in test_cow), or a skip saying why not."""
+    kind = str(request.param)
+    try:
+        with cowfs.mounted(kind, tmp_path_factory.mktemp(kind), size="512M") as mnt:
+            yield mnt
+    except cowfs.Unavailable as exc:
+        pytest.skip(f"no {kind} mount: {exc}")
+
+
+def test_tasks_clone_on_copy_on_write_filesystems(cow: Path) -> None:
+    """Tasks clone the unchanged bytes into the shards themselves: as much is shared as by the
+    local executor, in extents the filesystem marks shared, and the bytes are the same."""
+    root = cow / "in"
+    root.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    save_file(
+        {
+            f"w{i}": torch.randn(300 + 37 * i, 200, generator=gen).to(torch.bfloat16)
+            for i in range(6)
+        },
+        root / "model.safetensors",
+    )
+    plan = weightmap.compile(root, mapping='weightmap 1\ncast "w2" to f32\nunmatched keep\n')
+    local, remote = local_and_ray(root, plan, task_cost=64 * 1024, chunk_bytes=4096)
+    assert folder_bytes(root / "ray") == folder_bytes(root / "local")
+    assert remote == local and remote.bytes_cloned > 0
+    shard = root / "ray" / "model.safetensors"
+    assert cowfs.shared_bytes(shard) >= remote.bytes_cloned
