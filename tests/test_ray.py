@@ -29,6 +29,7 @@ from strategies import rule_programs
 from test_distributed import folder_bytes
 from weightmap import cli
 from weightmap.errors import ExecutionError, FormatError
+from weightmap.execute import cluster as cluster_module
 from weightmap.execute import task as task_module
 from weightmap.execute.cluster import execute_on_ray
 from weightmap.execute.partition import TaskReport, TaskSpec
@@ -326,3 +327,18 @@ def test_tasks_clone_on_copy_on_write_filesystems(cow: Path) -> None:
     assert remote == local and remote.bytes_cloned > 0
     shard = root / "ray" / "model.safetensors"
     assert cowfs.shared_bytes(shard) >= remote.bytes_cloned
+
+
+def test_progress_without_its_actor(tmp_path: Path) -> None:
+    """The progress actor gone (killed, its node lost): the conversion goes on, the bar is
+    fed from the tasks' reports, and the next conversion starts another actor."""
+    plan = _checkpoint(tmp_path)
+    ray.kill(cluster_module._progress_actor(ray))
+    seen: list[int] = []
+    local, remote = local_and_ray(tmp_path, plan, task_cost=8192, progress=seen.append)
+    assert remote == local
+    assert sum(seen) == sum(s.nbytes for s in plan.output_specs())
+    seen.clear()
+    with Checkpoint.open(tmp_path) as ckpt:
+        execute_on_ray(plan, ckpt, tmp_path / "again", task_cost=8192, progress=seen.append)
+    assert sum(seen) == sum(s.nbytes for s in plan.output_specs())

@@ -88,6 +88,11 @@ def _progress_actor(ray: ModuleType) -> Any:
     return _actor[1]
 
 
+def _forget_actor() -> None:
+    global _actor
+    _actor = None
+
+
 def _entry(body: Callable[..., TaskReport]) -> Callable[[TaskSpec, Any], TaskReport]:
     """The function Ray runs: ``body`` (``task.run_task``) reporting to the progress actor.
 
@@ -192,7 +197,14 @@ def _run(
             if progress is not None and actor is not None:
                 asked = asked or actor.total.remote(run)
                 if ray.wait([asked], timeout=0)[0]:
-                    total, asked = ray.get(asked), None
+                    try:
+                        total, asked = ray.get(asked), None
+                    except ray.exceptions.RayError:
+                        # The actor is gone: the bar waits for the reports, which are what
+                        # counts; the next conversion starts another actor.
+                        _forget_actor()
+                        actor = None
+                        continue
                     if total > shown:
                         progress(total - shown)
                         shown = total
