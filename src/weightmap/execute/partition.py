@@ -8,7 +8,8 @@ again after its worker died needs no undoing.
 
 ``partition`` groups the units by shard, cuts a shard worth more than one task's share into
 byte ranges (a huge tensor by rows), and packs the groups into tasks of about equal estimated
-cost: copies cost their bytes, computed bytes a few times more, clones almost nothing.
+cost: copies cost their bytes, computed bytes two to six times more (arithmetic the most),
+clones almost nothing.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
-from weightmap.execute.chunks import chunk_plan
+from weightmap.execute.chunks import chunk_plan, tree_nodes
 from weightmap.execute.sources import Sources
 from weightmap.format.dtypes import nbytes
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.writer import CheckpointWriter, Piece
-from weightmap.plan.nodes import Node
+from weightmap.plan.nodes import Arith, Binary, Mask, Node, Quantize
 from weightmap.plan.plan import Plan
 
 __all__ = [
@@ -39,11 +40,12 @@ __all__ = [
     "partition",
 ]
 
-# Estimated cost of the work, in bytes copied by the kernel. Computing a byte (read through a
-# memory map, converted, written) costs a few times a kernel copy (docs/benchmarks.md: a cast
-# takes 1.5-3x a rename per input byte, and writes up to twice the bytes); a clone moves no
-# data and costs a system call; a checksum reads its bytes once more.
-COMPUTE_COST = 4
+# Estimated cost of the work, in bytes copied by the kernel, per output byte. Measured on one
+# core (docs/benchmarks.md, "Past one machine"): a kernel copy moves 2-3 GB/s, a cast 1.9 GB/s
+# of output, fp8 dequantization (arithmetic over blocks) 0.38 GB/s. A clone moves no data and
+# costs a system call; a checksum reads its bytes once more.
+MOVE_COST = 2  # computed without arithmetic: casts, transposes, gathers
+ARITH_COST = 6  # add, mul, block (de)quantization, masks
 CLONE_COST = 64 * 1024
 CHECKSUM_COST = 1
 # Tasks per worker slot: more than one, so that a slow node or a late start evens out, few
@@ -157,8 +159,14 @@ def _cost(unit: _Unit) -> int:
     if isinstance(unit, Piece):
         return CLONE_COST if unit.clone else unit.length
     if isinstance(unit, ComputeUnit):
-        return unit.length * COMPUTE_COST
+        return unit.length * _per_byte(unit.node)
     return unit.length * CHECKSUM_COST
+
+
+def _per_byte(node: Node) -> int:
+    """The estimated cost of one computed output byte of ``node``."""
+    arith = any(isinstance(n, Arith | Binary | Quantize | Mask) for n in tree_nodes(node))
+    return ARITH_COST if arith else MOVE_COST
 
 
 def _compute_units(name: str, node: Node, chunk_bytes: int, target: int) -> list[ComputeUnit]:
@@ -167,10 +175,11 @@ def _compute_units(name: str, node: Node, chunk_bytes: int, target: int) -> list
     size = nbytes(node.dtype, node.shape)
     dim, step = chunk_plan(node, chunk_bytes)
     extent = node.shape[dim] if node.shape else 1
-    if size * COMPUTE_COST <= target or extent <= step or size % extent:
+    per_byte = _per_byte(node)
+    if size * per_byte <= target or extent <= step or size % extent:
         return [ComputeUnit(name, node, None, 0, size)]
     row = size // extent
-    rows = max(step, target // (row * COMPUTE_COST) // step * step)
+    rows = max(step, target // (row * per_byte) // step * step)
     return [
         ComputeUnit(
             name, node, (a, min(extent, a + rows)), a * row, (min(extent, a + rows) - a) * row
@@ -244,7 +253,7 @@ def partition(
     computed = [o for o in plan.outputs if o.name not in sources.copied and o.spec.nbytes]
     pieces = writer.pieces()
     total = sum(_cost(p) for p in pieces)
-    total += sum(o.spec.nbytes * COMPUTE_COST for o in computed)
+    total += sum(o.spec.nbytes * _per_byte(o.node) for o in computed)
     if checksum:
         total += sum(
             o.spec.nbytes * CHECKSUM_COST for o in plan.outputs if o.name in sources.copied
