@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import weightmap
-from strategies import rule_programs
+from strategies import cases, rule_programs
 from weightmap.errors import CheckpointError, ExecutionError, FormatError
 from weightmap.execute.distributed import Runner, crc32_combine, execute_tasks
 from weightmap.execute.partition import ComputeUnit, TaskReport, TaskSpec, partition
@@ -32,7 +32,9 @@ from weightmap.format import layout as layout_mod
 from weightmap.format.atomic import TMP_MARKER, host_name, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
-from weightmap.plan.plan import Plan
+from weightmap.language.ast import Loc
+from weightmap.plan.nodes import Node
+from weightmap.plan.plan import OutputTensor, Plan
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -130,6 +132,46 @@ def test_tasks_equal_local_whatever_the_split(
     assert folder_bytes(root / "tasks") == folder_bytes(root / "local"), program
     assert tasks == local, program  # bytes by kind and every checksum
     assert not [p for p in root.iterdir() if TMP_MARKER in p.name]
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    case=cases(),
+    task_cost=st.sampled_from([1, 7, 64, None]),
+    chunk=st.sampled_from([1, 7, 1 << 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_tasks_equal_local_on_generated_nodes(
+    tmp_path_factory: pytest.TempPathFactory,
+    case: tuple[dict[str, torch.Tensor], dict[str, Node]],
+    task_cost: int | None,
+    chunk: int,
+    seed: int,
+) -> None:
+    """Chains of slices, concatenations, stacks, permutes, reshapes, casts and arithmetic
+    straight from plan nodes (every dtype, empty tensors): the same bytes."""
+    inputs, outputs = case
+    root = tmp_path_factory.mktemp("n")
+    save_file(inputs, root / "model.safetensors")
+    with Checkpoint.open(root) as ckpt:
+        specs = ckpt.specs()
+    plan = Plan.build(
+        mapping_name="test",
+        inputs=specs,
+        outputs=tuple(
+            OutputTensor(name=n, node=node, origin=Loc("<test>", 1, 1))
+            for n, node in outputs.items()
+        ),
+    )
+    local, by_tasks = run_both(
+        root, plan, seed=seed, task_cost=task_cost, chunk_bytes=chunk, max_shard_size="64B"
+    )
+    assert folder_bytes(root / "tasks") == folder_bytes(root / "local")
+    assert by_tasks == local
 
 
 def split(
