@@ -1,4 +1,4 @@
-"""The executor on a Ray cluster (a local one of 2 CPUs, started once per test session).
+"""The executor on a Ray cluster (a local one of 2 CPUs, started once for this module).
 
 Its output must be byte for byte the local executor's for any plan and any split of the work,
 also after a worker is killed in the middle of a task, and on copy-on-write filesystems where
@@ -49,9 +49,9 @@ SRC = Path(weightmap.__file__).resolve().parent
 Report = Callable[[int], None] | None
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def cluster() -> Iterator[None]:
-    """A local cluster for the session; its workers import this weightmap."""
+    """A local cluster for these tests; its workers import this weightmap."""
     ray.init(
         num_cpus=2,
         include_dashboard=False,
