@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import time
 from pathlib import Path
 
+from sections import write_section
 from weightmap.compiler.compile import compile_plan
 from weightmap.format.dtypes import TensorSpec
 from weightmap.language.mapping import load_mapping
@@ -73,20 +73,6 @@ def measure(text: str, specs: list[TensorSpec], repeat: int = 5) -> tuple[int, i
     return len(specs), n_out, best
 
 
-def write_section(text: str) -> None:
-    """Replace (or append) the "## Compile speed" section of docs/benchmarks.md only."""
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    section = f"## Compile speed\n\n{text}\n"
-    pattern = re.compile(r"## Compile speed\n.*?(?=\n## |\Z)", re.S)
-    if pattern.search(doc):
-        doc = pattern.sub(lambda m: section.rstrip("\n"), doc, count=1)
-        doc = doc if doc.endswith("\n") else doc + "\n"
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + section
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--write", action="store_true", help="record the figure in docs/benchmarks.md")
@@ -105,11 +91,13 @@ def main() -> None:
         print(lines[-1])
     if args.write:
         write_section(
+            "## Compile speed",
+            "## Compile speed\n\n"
             "`python bench/bench_compile.py`: compiling a plan for a MoE-like header set\n"
             f"({LAYERS} layers x {EXPERTS} experts x 3 projections, stacked per layer; fused qkv\n"
             "split; everything else renamed). Target: under 1 s.\n\n"
             + "".join(f"- {x}\n" for x in lines)
-            + f"- machine: {platform.machine()}, Python {platform.python_version()}"
+            + f"- machine: {platform.machine()}, Python {platform.python_version()}",
         )
     if worst >= 1.0:
         raise SystemExit(f"too slow: {worst:.2f} s (target < 1 s)")

@@ -10,7 +10,7 @@ its parent: the checkpoint is also built in a process of its own, so this one st
 The checkpoint has DeepSeek-V3's layout at its real shapes: float8_e4m3fn expert weights
 (2048 x 7168 and 7168 x 2048) with float32 ``weight_scale_inv`` per 128x128 block, one
 ``kv_a_proj_with_mqa`` (576 x 7168, partial blocks), bf16 norms. With ``--write`` (the
-default) the figures replace the section "## 7. fp8 dequantization" of docs/benchmarks.md.
+default) the figures replace the section "## fp8 dequantization" of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -28,9 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from sections import write_section
+
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parent / "docs" / "benchmarks.md"
-SECTION = "## 7. fp8 dequantization"
+SECTION = "## fp8 dequantization: a 4 GB DeepSeek-V3-shaped checkpoint"
 
 # The naive script: everything loaded, each weight dequantized, everything saved.
 NAIVE = """
@@ -205,14 +206,8 @@ def render(size: int, results: dict[str, list[tuple[float, float]]], repeat: int
 
 
 def write(text: str) -> None:
-    doc = DOC.read_text()
-    pattern = re.compile(re.escape(SECTION) + r"\n.*?(?=\n## |\Z)", re.S)
-    if pattern.search(doc):
-        doc = pattern.sub(text.rstrip("\n"), doc)
-    else:
-        marker = "\n## How time and memory grow with size"
-        doc = doc.replace(marker, "\n" + text + marker, 1) if marker in doc else doc + "\n" + text
-    DOC.write_text(doc)
+    """Replace (or append) this section of docs/benchmarks.md only."""
+    write_section(SECTION, text)
 
 
 if __name__ == "__main__":

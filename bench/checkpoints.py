@@ -92,7 +92,7 @@ class Dims:
         return sum(_nbytes(d, s) for d, s in self.tensors(float_dtype).values())
 
 
-_ITEMSIZE = {"BF16": 2, "F32": 4, "I64": 8, "BOOL": 1}
+_ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4, "I64": 8, "BOOL": 1}
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:

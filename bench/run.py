@@ -45,6 +45,7 @@ from jobs import SOURCES, Launcher, Runner, can_drop_caches
 from limits import CowResults, LimitResult, measure_cow, measure_many
 from measure import OpResult, SizeResult, compile_speed, measure_ops, measure_size, rename_source
 from report import machine, render
+from sections import kept_sections
 
 DEFAULT_OUT = ROOT / "docs" / "benchmarks.md"
 
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
         many,
         cow,
     )
+    if args.out.exists():
+        # The sections other scripts write (bench/sections.py) are carried over as they were.
+        text = text.rstrip("\n") + "\n" + kept_sections(args.out.read_text())
     args.out.write_text(text)
     _write_raw(results, ops, many, cow)
     log(f"wrote {args.out} in {seconds / 60:.1f} min ({runner.jobs} jobs)")

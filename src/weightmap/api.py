@@ -8,12 +8,14 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
+from weightmap.execute.cluster import execute_on_ray
 from weightmap.execute.inplace import rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
@@ -45,6 +47,8 @@ __all__ = [
 
 PathLike = str | os.PathLike[str]
 ProgressCallback = Callable[[int, int], None]
+Executor = Literal["local", "ray"]
+EXECUTORS = ("local", "ray")
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ def remap(
     side_files: bool = True,
     on_plan: Callable[[Plan], None] | None = None,
     layout: Layouts = "clone",
+    executor: Executor = "local",
+    ray_address: str | None = None,
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -244,11 +250,19 @@ def remap(
       their input offsets modulo 4096, which a copy-on-write filesystem (XFS, btrfs) can share
       instead of copying; ``layout="reference"`` writes the bytes ``safetensors.save_file``
       writes. See docs/safety.md.
+    - ``executor="ray"`` runs the conversion as tasks on a Ray cluster (the ``weightmap[ray]``
+      extra; docs/scale.md): ``ray_address`` is the cluster's (None: ``RAY_ADDRESS``, a cluster
+      started on this machine, or a new local one), ``workers`` how many tasks run at once
+      (default: the cluster's CPUs), ``chunk_bytes`` the memory budget of each task. Input and
+      output must be on a filesystem every node mounts at the same path. The bytes written are
+      the local executor's.
 
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
     """
     start = time.perf_counter()
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
     rules = resolve_mapping(preset, mapping)
     if inplace and out is not None:
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
@@ -297,6 +311,8 @@ def remap(
             chunk_bytes,
             verify,
             layout,
+            executor,
+            ray_address,
         )
     dest = Path(out)
     return Result(
@@ -344,8 +360,10 @@ def _write(
     chunk_bytes: int,
     checksum: bool,
     layout: Layouts,
+    executor: Executor = "local",
+    ray_address: str | None = None,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
-    """Run the streaming executor with the progress display the caller asked for; the side
+    """Run the executor asked for with the progress display the caller asked for; the side
     files go into the same temporary folder, before it is committed."""
     total = sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files)
     tick, close = _progress_fn(progress, total)
@@ -363,8 +381,9 @@ def _write(
                 + "; nothing was committed (the destination was left as it was)"
             )
 
+    run = execute if executor == "local" else partial(execute_on_ray, address=ray_address)
     try:
-        return execute(
+        return run(
             plan,
             ckpt,
             out,

@@ -129,6 +129,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         side_files=not args.no_side_files,
         on_plan=show,
         layout=args.layout,
+        executor="ray" if args.ray or args.ray_address else "local",
+        ray_address=args.ray_address,
     )
     if not quiet:
         print(result)
@@ -338,7 +340,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--verify", action="store_true", help="re-read and check the output")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
-    p.add_argument("--workers", type=int, default=None, help="writer threads")
+    p.add_argument(
+        "--workers", type=int, default=None, help="writer threads (with --ray: tasks at once)"
+    )
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run as tasks on a Ray cluster (RAY_ADDRESS, one started on this machine with "
+        "`ray start`, or a new local one); input and output on a filesystem every node "
+        "mounts at the same path",
+    )
+    p.add_argument(
+        "--ray-address", metavar="ADDRESS", default=None, help="the Ray cluster's (implies --ray)"
+    )
     p.add_argument(
         "--layout",
         choices=LAYOUTS,

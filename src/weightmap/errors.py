@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from weightmap.language.ast import Loc
@@ -58,6 +58,17 @@ class FormatError(WeightmapError, ValueError):
         shown = repr(tensor) if tensor is None or len(tensor) <= 200 else repr(tensor[:200]) + "..."
         what = f"tensor {shown}: " if tensor is not None else ""
         super().__init__(f"{where}{what}{message} [{rule}]")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its fields, not its text: rebuilt from the text alone, the path and the
+        # rule would be quoted twice (an error raised in another process, e.g. a Ray task).
+        return (_format_error, (type(self), self.detail, self.path, self.tensor, self.rule))
+
+
+def _format_error(
+    cls: type[FormatError], detail: str, path: str | None, tensor: str | None, rule: str
+) -> FormatError:
+    return cls(detail, path=path, tensor=tensor, rule=rule)
 
 
 class CheckpointError(FormatError):

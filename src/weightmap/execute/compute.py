@@ -15,7 +15,7 @@ import threading
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from weightmap.errors import ExecutionError
 from weightmap.execute.chunks import chunk_plan, region, tree_nodes
@@ -23,13 +23,18 @@ from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
 from weightmap.execute.nans import settle, strategy
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, nbytes, numel
-from weightmap.format.writer import CheckpointWriter
 from weightmap.plan.nodes import Cast, Node, Source, int_cast_fits
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Computer"]
+__all__ = ["Computer", "Sink"]
+
+
+class Sink(Protocol):
+    """Where computed bytes go: the checkpoint writer, or a task's view of the staged shards."""
+
+    def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None: ...
 
 
 class Computer:
@@ -43,7 +48,7 @@ class Computer:
     def __init__(
         self,
         ckpt: Checkpoint,
-        writer: CheckpointWriter,
+        writer: Sink,
         where: Mapping[str, tuple[Path, int, int]],
         chunk_bytes: int,
         report: Callable[[int], None],
@@ -59,8 +64,14 @@ class Computer:
         # costs a page fault per page (and its zeroing) every time.
         self._scratch = threading.local()
 
-    def run(self, name: str, node: Node) -> None:
-        """Compute output ``name`` and write it; afterwards no page of its inputs stays mapped."""
+    def run(self, name: str, node: Node, rows: tuple[int, int] | None = None) -> int:
+        """Compute output ``name`` and write it; afterwards no page of its inputs stays mapped.
+
+        ``rows`` computes only indices ``[start, stop)`` of the dimension ``chunk_plan``
+        chunks along (``start`` a multiple of its step, so the chunks are the ones the whole
+        tensor is computed in). Returns the CRC-32 of the bytes written (0 without
+        ``checksums``); the checksum of a whole tensor is also recorded in ``checksums``.
+        """
         opaque = sorted({n.dtype for n in tree_nodes(node)} & OPAQUE_DTYPES)
         if opaque:
             raise ExecutionError(
@@ -68,22 +79,25 @@ class Computer:
                 "merged along whole bytes; this rule needs arithmetic on it"
             )
         try:
-            crc = self._chunks(name, node)
+            crc = self._chunks(name, node, rows)
         finally:
             for src in {n.name for n in tree_nodes(node) if isinstance(n, Source)}:
                 self.ckpt.release(*self.where[src])
-        if self.checksums is not None:
+        if self.checksums is not None and rows is None:
             self.checksums[name] = crc
+        return crc
 
-    def _chunks(self, name: str, node: Node) -> int:
-        if nbytes(node.dtype, node.shape) == 0:
+    def _chunks(self, name: str, node: Node, rows: tuple[int, int] | None) -> int:
+        size = nbytes(node.dtype, node.shape)
+        if size == 0:
             return 0
         dim, step = chunk_plan(node, self.chunk_bytes)
         extent = node.shape[dim] if node.shape else 1
+        first, last = (0, max(extent, 1)) if rows is None else rows
         crc = 0
-        offset = 0
-        for start in range(0, max(extent, 1), step):
-            stop = min(extent, start + step)
+        offset = size // max(extent, 1) * first  # the dims before ``dim`` are all 1
+        for start in range(first, last, step):
+            stop = min(last, start + step)
             seen: list[tuple[str, torch.Tensor]] = []
             if node.shape:
                 data = self._chunk(node, dim, start, stop, name, seen)

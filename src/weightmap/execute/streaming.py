@@ -29,14 +29,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from weightmap.errors import ExecutionError, FormatError
-from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.compute import Computer
-from weightmap.execute.segments import Segment, byte_segments
+from weightmap.execute.sources import plan_writer
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.dtypes import nbytes
-from weightmap.format.layout import Extent, Layouts, Origin
+from weightmap.format.layout import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
-from weightmap.plan.nodes import Source
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = [
@@ -44,15 +41,13 @@ __all__ = [
     "ExecutionStats",
     "check_inputs",
     "check_unchanged",
+    "crc_of_ranges",
     "default_workers",
     "execute",
 ]
 
 # The memory computed tensors may take at once, over all threads.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
-# Below this average size, many small kernel copies cost more than computing the tensor.
-_MIN_SEGMENT = 64 * 1024
-_FEW_SEGMENTS = 64
 # A clone moves no data: as work, it weighs like a copy of this many bytes.
 _CLONE_WEIGHT = 64 * 1024
 
@@ -109,17 +104,6 @@ def check_unchanged(ckpt: Checkpoint) -> None:
             )
 
 
-def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
-    """The input byte ranges an output copies, or None when it is computed."""
-    segments = byte_segments(out.node)
-    if segments is None or not all(ckpt.has_range(s.name) for s in segments):
-        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
-    size = nbytes(out.node.dtype, out.node.shape)
-    if len(segments) <= _FEW_SEGMENTS or size // len(segments) >= _MIN_SEGMENT:
-        return segments
-    return None
-
-
 class _Stats:
     """Thread-safe counters behind ExecutionStats, and the progress callback."""
 
@@ -160,25 +144,31 @@ def _transfer(writer: CheckpointWriter, pieces: list[Piece], counts: _Stats) -> 
         counts.add(piece.length, "cloned" if writer.transfer(piece) else "copied")
 
 
-def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
-    """CRC-32 of copied tensors, read from their input ranges with pread (nothing mapped)."""
-    buf = bytearray(COPY_PIECE)
+def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: dict[Path, int]) -> int:
+    """CRC-32 of input byte ranges ``(file, offset, length)`` in order, read with pread
+    (nothing mapped); files are opened into ``fds``, which the caller closes."""
+    buf = bytearray(min(COPY_PIECE, max((r[2] for r in ranges), default=0)))
     view = memoryview(buf)
+    crc = 0
+    for path, offset, length in ranges:
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        end = offset + length
+        while offset < end:
+            n = os.preadv(fds[path], [view[: min(len(buf), end - offset)]], offset)
+            if n == 0:
+                raise ExecutionError(f"{path}: the input ended early; it changed")
+            crc = zlib.crc32(view[:n], crc)
+            offset += n
+    return crc
+
+
+def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
+    """CRC-32 of copied tensors, read from their input ranges."""
     fds: dict[Path, int] = {}
     try:
         for name, ranges in names:
-            crc = 0
-            for path, offset, length in ranges:
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
-                end = offset + length
-                while offset < end:
-                    n = os.preadv(fds[path], [view[: min(len(buf), end - offset)]], offset)
-                    if n == 0:
-                        raise ExecutionError(f"{path}: the input ended early; it changed")
-                    crc = zlib.crc32(view[:n], crc)
-                    offset += n
-            into[name] = crc
+            into[name] = crc_of_ranges(ranges, fds)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -225,57 +215,23 @@ def execute(
     n_workers = default_workers() if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    files = ckpt.files
-    where: dict[str, tuple[Path, int, int]] = {}
-    numbers: dict[str, int] = {}
-    for i, (path, header) in enumerate(ckpt.headers.items()):
-        for name, info in header.tensors.items():
-            where[name] = (path, header.data_start + info.begin, header.data_start + info.end)
-            numbers[name] = i
-    copied: dict[str, list[Segment]] = {}
-    origins: dict[str, Origin] = {}
-    specs = plan.output_specs()
-    sizes = {s.name: s.nbytes for s in specs}
-    for out in plan.outputs:
-        node = out.node
-        if isinstance(node, Source) and ckpt.has_range(node.name):  # the common case, short
-            _, begin, end = where[node.name]
-            copied[out.name] = [Segment(node.name, 0, end - begin)]
-            origins[out.name] = Origin(
-                (numbers[node.name], begin), (Extent(numbers[node.name], begin, end - begin),)
-            )
-            continue
-        segments = _copied(out, ckpt)
-        if segments is not None:
-            copied[out.name] = segments
-            extents = tuple(
-                Extent(numbers[s.name], where[s.name][1] + s.offset, s.length) for s in segments
-            )
-            first = segments[0].name if segments else out.node.sources()[0].name
-            anchor = (numbers[first], where[first][1] + (segments[0].offset if segments else 0))
-            origins[out.name] = Origin(anchor, extents)
-        else:
-            first = next(n.name for n in tree_nodes(out.node) if isinstance(n, Source))
-            origins[out.name] = Origin((numbers[first], where[first][1]))
-    writer = CheckpointWriter(
+    writer, sources = plan_writer(
+        plan,
+        ckpt,
         dest,
-        specs,
         max_shard_size=max_shard_size,
-        metadata={"format": "pt"} if metadata is None else metadata,
-        config=plan.config,
         overwrite=overwrite,
-        protect=files,
-        origins=origins,
-        inputs=files,
+        metadata=metadata,
+        extra_files=extra_files,
         layout=layout,
     )
-    for fname, blob in extra_files:
-        writer.add_file(fname, blob)
+    copied = sources.copied
+    sizes = {s.name: s.nbytes for s in plan.output_specs()}
     counts = _Stats(checksum, progress)
     computer = Computer(
         ckpt,
         writer,
-        where,
+        sources.where,
         max(1, chunk_bytes // n_workers),
         lambda n: counts.add(n, "computed"),
         counts.stats.checksums,
@@ -298,13 +254,7 @@ def execute(
             ):
                 tasks.append(partial(_transfer, writer, pieces, counts))
             if counts.stats.checksums is not None:
-                ranges = [
-                    (
-                        name,
-                        [(where[s.name][0], where[s.name][1] + s.offset, s.length) for s in segs],
-                    )
-                    for name, segs in copied.items()
-                ]
+                ranges = [(name, sources.ranges(name)) for name in copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
                     tasks.append(partial(_checksum, group, counts.stats.checksums))
             _run_all(tasks, n_workers)
@@ -312,9 +262,12 @@ def execute(
             # only an input unchanged from start to end gives an output worth committing.
             check_unchanged(ckpt)
     except OSError as exc:
-        if isinstance(exc, ExecutionError):
-            raise
-        raise ExecutionError(
-            f"{dest}: writing failed ({exc}); nothing was written under that name"
-        ) from exc
+        raise writing_failed(dest, exc) from exc
     return writer, counts.stats
+
+
+def writing_failed(dest: str | os.PathLike[str], exc: OSError) -> ExecutionError:
+    """The one-line error of a write that failed (an ``ExecutionError`` stays as it is)."""
+    if isinstance(exc, ExecutionError):
+        return exc
+    return ExecutionError(f"{dest}: writing failed ({exc}); nothing was written under that name")

@@ -2,7 +2,9 @@
 
 Everything weightmap writes goes first into a temporary sibling named
 ``.<dest>.weightmap-tmp-<pid>-<token>`` (recognisable, so a later run or ``weightmap clean`` can
-find what a killed run left behind), and is moved into place only when complete.
+find what a killed run left behind), and is moved into place only when complete. A folder that
+processes on other machines write into (a conversion on a cluster) is named
+``.<dest>.weightmap-tmp-<pid>@<host>-<token>``: its pid means something on that host only.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "RENAME_NOREPLACE",
     "TMP_MARKER",
     "fsync_dir",
+    "host_name",
     "is_within",
     "removal_problem",
     "remove_path",
@@ -40,12 +45,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def host_name() -> str:
+    """This machine's name as temporary names carry it (no ``-``, ``@`` or ``/``)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "_"
+
+
 def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
     """Temporary outputs in ``folder`` left by runs that no longer exist.
 
     A name carries its writer's pid (``.<dest>.weightmap-tmp-<pid>-<token>``): one whose
-    process is alive belongs to a running conversion and is never listed. Leftovers of an
-    overwrite's swap (``-old-``) and of small-file replacements are always stale.
+    process is alive belongs to a running conversion and is never listed. A name that also
+    carries a host (``<pid>@<host>``, a conversion on a cluster) is listed only on that host,
+    where its pid can be checked. Leftovers of an overwrite's swap (``-old-``) and of
+    small-file replacements are always stale.
     """
     prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
     found = []
@@ -55,6 +67,10 @@ def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
             continue
         tail = name.split(TMP_MARKER, 1)[1] if TMP_MARKER in name else ""
         pid_text = tail.split("-", 1)[0]
+        if "@" in tail:
+            pid_text, _, host = tail.rpartition("-")[0].partition("@")
+            if host != host_name():
+                continue  # another machine's: its process cannot be checked from here
         if pid_text.isdigit() and _pid_alive(int(pid_text)):
             continue
         found.append(entry)

@@ -30,6 +30,7 @@ from weightmap.format.atomic import (
     RENAME_NOREPLACE,
     TMP_MARKER,
     fsync_dir,
+    host_name,
     is_within,
     removal_problem,
     remove_path,
@@ -56,7 +57,7 @@ from weightmap.format.transfer import (
     start_writeback,
 )
 
-__all__ = ["CheckpointWriter", "Piece"]
+__all__ = ["CheckpointWriter", "Piece", "transfer_piece"]
 
 # Copies go in pieces of this size: threads share the work, and each piece is handed to the
 # disk as soon as it is written. Clones move no data and go in pieces of up to _CLONE_PIECE.
@@ -103,8 +104,11 @@ class CheckpointWriter:
         origins: Mapping[str, Origin] | None = None,
         inputs: Sequence[str | os.PathLike[str]] = (),
         layout: Layouts = "clone",
+        shared: bool = False,
     ) -> None:
         self.dest = Path(dest)
+        # Written by processes on other machines too: the temporary name carries this host.
+        self.shared = shared
         counts = Counter(s.name for s in specs)
         if len(counts) != len(specs):
             dup = sorted(n for n, c in counts.items() if c > 1)
@@ -183,7 +187,8 @@ class CheckpointWriter:
             with contextlib.suppress(OSError):
                 remove_path(stale)
         token = secrets.token_hex(4)
-        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{os.getpid()}-{token}"
+        owner = f"{os.getpid()}@{host_name()}" if self.shared else str(os.getpid())
+        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{owner}-{token}"
         try:
             self.tmp.mkdir()
             for shard in self.shards:
@@ -270,6 +275,11 @@ class CheckpointWriter:
         with self._lock:
             self._written[shard] += length
 
+    def record(self, shard: int, length: int) -> None:
+        """Count ``length`` data bytes of shard number ``shard`` as written by another process
+        (a task that opened the shard in the temporary folder itself)."""
+        self._done(shard, length)
+
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it."""
         length = memoryview(data).nbytes
@@ -316,11 +326,8 @@ class CheckpointWriter:
 
         A clone the filesystem refuses after all falls back to a copy.
         """
-        src_fd, fd = self._src[piece.file], self._fds[piece.shard]
-        cloned = piece.clone and clone(src_fd, piece.src, fd, piece.dst, piece.length)
-        if not cloned:
-            copy(src_fd, piece.src, fd, piece.dst, piece.length, self.shards[piece.shard].filename)
-            start_writeback(fd, piece.dst, piece.length)
+        fd = self._fds[piece.shard]
+        cloned = transfer_piece(self._src[piece.file], fd, piece, self.shards[piece.shard].filename)
         self._done(piece.shard, piece.length)
         return cloned
 
@@ -437,6 +444,16 @@ class CheckpointWriter:
                 f"at {old}: remove it once it can be (chmod u+w; chattr -i for an immutable "
                 "file)"
             ) from exc
+
+
+def transfer_piece(src_fd: int, fd: int, piece: Piece, what: str) -> bool:
+    """Clone or copy one piece from input ``src_fd`` into shard ``fd`` (named ``what`` in
+    errors); True if it was cloned. Idempotent: the same bytes land at the same offsets."""
+    cloned = piece.clone and clone(src_fd, piece.src, fd, piece.dst, piece.length)
+    if not cloned:
+        copy(src_fd, piece.src, fd, piece.dst, piece.length, what)
+        start_writeback(fd, piece.dst, piece.length)
+    return cloned
 
 
 def _index_text(total_size: int, weight_map: Mapping[str, str]) -> str:
