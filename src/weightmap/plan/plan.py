@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.gcpause import gc_paused
 from weightmap.language.ast import Loc
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
@@ -176,7 +177,8 @@ class Plan:
         # Asked for by the writer, the executor and the progress bar alike: made once, as a
         # checkpoint of 100,000 tensors takes a tenth of a second to list.
         if not self._specs:
-            self._specs.append(tuple(o.spec for o in self.outputs))
+            with gc_paused():
+                self._specs.append(tuple(o.spec for o in self.outputs))
         return self._specs[0]
 
     def output(self, name: str) -> OutputTensor:
