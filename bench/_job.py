@@ -171,10 +171,10 @@ class StageTimer:
         real_open = Checkpoint.open.__func__  # type: ignore[attr-defined]
         real_compile = api.compile_plan
 
-        def timed_open(cls: Any, path: Any) -> Any:
+        def timed_open(cls: Any, path: Any, *a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return real_open(cls, path)
+                return real_open(cls, path, *a, **k)
             finally:
                 self.open += time.perf_counter() - t0
 

@@ -187,3 +187,64 @@ def test_reads_reference_files(tmp_path: Path) -> None:
 def test_header_prefix_helper_roundtrip() -> None:
     raw = header_bytes({"a": 1})
     assert struct.unpack("<Q", raw[:8])[0] % 8 == 0
+
+
+def test_gc_pauses_nest_and_restore() -> None:
+    """The collector is off inside any pause, on again after the last, and left off when it
+    was off before (a caller's own gc.disable is kept)."""
+    import gc
+    import threading
+
+    from weightmap.format.gcpause import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    # Overlapping pauses in two threads: on again only once both have ended.
+    entered, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        entered.wait(10)
+    assert not gc.isenabled()  # the thread's pause is still on
+    release.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_plan_caches_never_travel_with_replace(tmp_path: Path) -> None:
+    """Plan.output_specs is made once, and a plan made with dataclasses.replace has its own."""
+    import dataclasses
+
+    import weightmap
+
+    save_file({"a": torch.zeros(2), "b": torch.zeros(3)}, tmp_path / "model.safetensors")
+    plan = weightmap.compile(tmp_path, mapping='weightmap 1\nrename "{x}" -> "y.{x}"\n')
+    assert plan.output_specs() is plan.output_specs()
+    assert plan.output("y.a").name == "y.a"
+    fewer = dataclasses.replace(plan, outputs=plan.outputs[1:])
+    assert [s.name for s in fewer.output_specs()] == ["y.b"]
+    with pytest.raises(KeyError):
+        fewer.output("y.a")
+    # A spec's kept size is no field: equal specs stay equal, and hash alike.
+    s = plan.output_specs()[0]
+    assert s.nbytes == 8
+    twin = dataclasses.replace(s)
+    assert twin == s and hash(twin) == hash(s)

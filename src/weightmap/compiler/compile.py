@@ -10,7 +10,6 @@ Problems are collected all the way and raised together as one :class:`CompileErr
 from __future__ import annotations
 
 import copy
-import gc
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,13 +21,14 @@ from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
-from weightmap.compiler.ops import Match, build_simple, dtype_known
+from weightmap.compiler.ops import Match, build_simple, dtype_known, namer
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import CompileError, LocatedProblem, MappingError
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.gcpause import gc_paused
 from weightmap.format.sidefiles import FolderFiles
 from weightmap.format.text import json_problem
 from weightmap.language import ast as A
@@ -191,15 +191,8 @@ def compile_plan(
     >>> compile_plan(m, [TensorSpec("a.w", "F32", (2,))], None).outputs[0].name
     'b.w'
     """
-    # Building ~100k small acyclic objects triggers repeated full cyclic-GC passes that cost
-    # a third of the compile time; nothing here makes cycles, so pause the collector.
-    paused = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():  # (format/gcpause.py: a plan of many tensors makes no cycles)
         return _compile(mapping, inputs, config, params, files)
-    finally:
-        if paused:
-            gc.enable()
 
 
 def _check_arguments(params: Any, config: Any) -> None:
@@ -276,6 +269,8 @@ def run_rules(
         step = _Step(ws, rule, r, scope, c.report)
         if rule.op in ("merge", "stack") or (rule.op in ("add", "mul") and len(rule.patterns) > 1):
             step.group(taken)
+        elif rule.op in ("keep", "rename"):
+            step.renames(taken, c.problems)
         else:
             for item, m in taken:
                 c.problems.tensor = item.spec.name  # a problem now is about this tensor
@@ -330,6 +325,31 @@ class _Step:
             except LocatedProblem as p:  # shapes, dims, or an output name's template
                 self.report(p.loc, p.message)
         self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")
+
+    def renames(self, taken: list[tuple[Item, Match]], problems: Problems) -> None:
+        """keep/rename on every tensor taken: what ``one`` does through ``build_simple`` and
+        ``emit``, in one loop, as a rename of every tensor of a 100,000-tensor checkpoint is
+        the most common plan there is."""
+        ws, r, loc = self.ws, self.r, self.rule.loc
+        render = namer(self.rule.outputs[0]) if self.rule.outputs else None
+        with_tensor = self.scope.with_tensor
+        for item, m in taken:
+            spec = item.spec
+            problems.tensor = spec.name  # a problem now is about this tensor
+            try:
+                name = spec.name if render is None else render(with_tensor(spec, m.caps))
+            except LocatedProblem as p:  # the output name's template
+                self.report(p.loc, p.message)
+                ws.record(spec.name, loc, "")
+                continue
+            node = item.node
+            if name == spec.name:  # the tensor itself goes on: it keeps its maker
+                origin = item.origin if item.origin is not None else loc
+                ws.put(Item(spec, node, item.order, origin), r)
+            else:
+                ws.put(Item(TensorSpec(name, node.dtype, node.shape), node, item.order, loc), r)
+            ws.record(spec.name, loc, name)
+        problems.tensor = None
 
     def group(self, taken: list[tuple[Item, Match]]) -> None:
         """merge/stack: members grouped by their captures, one output per group."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightmap.plan.nodes import Cast, Node
+from weightmap.plan.nodes import Cast, Node, Source
 from weightmap.plan.plan import OutputTensor
 
 __all__ = ["stale_dtype_fields"]
@@ -21,6 +21,8 @@ _CONFIG_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "
 
 
 def _casts(node: Node) -> bool:
+    if type(node) is Source:  # most outputs of most plans: no children to look through
+        return False
     if isinstance(node, Cast) and node.src.dtype != node.dtype:
         return True
     return any(_casts(c) for c in node.children())

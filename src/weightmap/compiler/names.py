@@ -27,6 +27,8 @@ __all__ = ["MAX_NAME_CHARS", "bad_name", "check_names"]
 
 MAX_NAME_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Control characters or a lone surrogate (see is_utf8): what no output name may hold.
+_UNWRITABLE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 def bad_name(name: str) -> str | None:
@@ -35,10 +37,11 @@ def bad_name(name: str) -> str | None:
         return "is empty"
     if name == "__metadata__":
         return "is reserved by safetensors for the header's metadata"
-    if _CONTROL.search(name):
-        return "contains control characters"
-    if not is_utf8(name):
-        return "contains a lone surrogate, which is not UTF-8"
+    if _UNWRITABLE.search(name):  # one scan for the common, good name; then which it is
+        if _CONTROL.search(name):
+            return "contains control characters"
+        if not is_utf8(name):
+            return "contains a lone surrogate, which is not UTF-8"
     if len(name) > MAX_NAME_CHARS:
         return f"is longer than {MAX_NAME_CHARS} characters"
     return None

@@ -104,10 +104,12 @@ def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node
     spec = m.spec
     src = m.node
     s = scope.with_tensor(spec, m.caps)
-    op, rank, name = rule.op, len(spec.shape), f"`{spec.name}` {list(spec.shape)}"
-    if op in ("keep", "rename"):
+    op = rule.op
+    if op in ("keep", "rename"):  # most rules, and every tensor of a large checkpoint: short
         emit(output_name(rule, s), src)
-    elif op == "copy":
+        return
+    rank, name = len(spec.shape), f"`{spec.name}` {list(spec.shape)}"
+    if op == "copy":
         for t in rule.outputs:
             emit(namer(t)(s), src)
     elif op == "cast":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from weightmap.compiler.ops import Match
 from weightmap.compiler.pattern import Alternative, Filter, Matcher, compile_pattern
@@ -98,9 +98,10 @@ def _filter(r: int, rule: A.Rule, scope: Scope) -> Filter | None:
     return accept
 
 
-@dataclass
-class _Taken:
-    """Who took a name from the working set, and what it became (for 'matches nothing')."""
+class _Taken(NamedTuple):
+    """Who took a name from the working set, and what it became (for 'matches nothing').
+
+    A tuple: one is made per tensor and rule that takes it."""
 
     rule: A.Loc
     became: str

@@ -7,7 +7,7 @@ a list of input ranges, copied in the kernel and never through Python objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from weightmap.format.dtypes import DTYPES, nbytes, numel
 from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source, Stack
@@ -15,9 +15,10 @@ from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, So
 __all__ = ["Segment", "byte_segments"]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """``length`` bytes of input tensor ``name`` starting ``offset`` bytes into it."""
+class Segment(NamedTuple):
+    """``length`` bytes of input tensor ``name`` starting ``offset`` bytes into it.
+
+    A named tuple, not a dataclass: a plan of 100,000 renames makes one per tensor."""
 
     name: str
     offset: int

@@ -15,6 +15,7 @@ from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
+from weightmap.format.gcpause import gc_paused
 from weightmap.format.layout import Extent, Layouts, Origin
 from weightmap.format.writer import CheckpointWriter
 from weightmap.plan.nodes import Source
@@ -63,19 +64,21 @@ def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
     where: dict[str, tuple[Path, int, int]] = {}
     numbers: dict[str, int] = {}
     for i, (path, header) in enumerate(ckpt.headers.items()):
+        start = header.data_start
         for name, info in header.tensors.items():
-            where[name] = (path, header.data_start + info.begin, header.data_start + info.end)
+            where[name] = (path, start + info.begin, start + info.end)
             numbers[name] = i
     copied: dict[str, list[Segment]] = {}
     origins: dict[str, Origin] = {}
+    strided = ckpt.strided
     for out in plan.outputs:
         node = out.node
-        if isinstance(node, Source) and ckpt.has_range(node.name):  # a rename or keep: short
+        # A rename or keep: the common case (every tensor of a large checkpoint), made short.
+        if type(node) is Source and node.name not in strided:
             _, begin, end = where[node.name]
+            file = numbers[node.name]
             copied[out.name] = [Segment(node.name, 0, end - begin)]
-            origins[out.name] = Origin(
-                (numbers[node.name], begin), (Extent(numbers[node.name], begin, end - begin),)
-            )
+            origins[out.name] = Origin((file, begin), (Extent(file, begin, end - begin),))
             continue
         segments = _copied(out, ckpt)
         if segments is not None:
@@ -106,21 +109,22 @@ def plan_writer(
 ) -> tuple[CheckpointWriter, Sources]:
     """The writer of ``plan``'s output and where its bytes come from: every executor plans the
     output here, so that they all write the same bytes (``shared``: see the writer)."""
-    sources = _sources(plan, ckpt)
-    files = ckpt.files
-    writer = CheckpointWriter(
-        dest,
-        plan.output_specs(),
-        max_shard_size=max_shard_size,
-        metadata={"format": "pt"} if metadata is None else metadata,
-        config=plan.config,
-        overwrite=overwrite,
-        protect=files,
-        origins=sources.origins,
-        inputs=files,
-        layout=layout,
-        shared=shared,
-    )
+    with gc_paused():  # (format/gcpause.py: many small objects, no cycles)
+        sources = _sources(plan, ckpt)
+        files = ckpt.files
+        writer = CheckpointWriter(
+            dest,
+            plan.output_specs(),
+            max_shard_size=max_shard_size,
+            metadata={"format": "pt"} if metadata is None else metadata,
+            config=plan.config,
+            overwrite=overwrite,
+            protect=files,
+            origins=sources.origins,
+            inputs=files,
+            layout=layout,
+            shared=shared,
+        )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)
     return writer, sources

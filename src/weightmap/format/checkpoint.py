@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.gcpause import gc_paused
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.lock import folder_lock
@@ -216,6 +217,11 @@ class Checkpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         self._loaded: dict[Path, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        # The tensors that are no byte range (strided PyTorch tensors): none in safetensors.
+        self._strided = frozenset(
+            name for h in self.headers.values() if isinstance(h, PickleHeader) for name in h.strided
+        )
+        self._specs: tuple[TensorSpec, ...] | None = None
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -238,7 +244,7 @@ class Checkpoint:
                 path=p,
                 rule="layout",
             )
-        with folder_lock(p.parent if p.is_file() else p, exclusive=False):
+        with folder_lock(p.parent if p.is_file() else p, exclusive=False), gc_paused():
             ckpt = cls._open_unlocked(p)
         if config_name != CONFIG_NAME:
             ckpt._config = _read_config(ckpt.root, config_name, required=True)
@@ -350,7 +356,9 @@ class Checkpoint:
             located = ckpt._tensors.get(tensor)
             if located is None:
                 problems.append(f"{tensor!r} is in the index but in no shard")
-            elif located[0].name != shard:
+            # The shards' paths are shard_names' own objects: identity first, as an index
+            # lists every tensor and Path.name is slow.
+            elif located[0] is not shard_names[shard] and located[0].name != shard:
                 problems.append(f"{tensor!r} is indexed in {shard} but stored in {located[0].name}")
         for tensor, (shard_path, _) in ckpt._tensors.items():
             if tensor not in weight_map:
@@ -425,7 +433,14 @@ class Checkpoint:
 
     def specs(self) -> tuple[TensorSpec, ...]:
         """Every tensor's name, dtype and shape, in storage order."""
-        return tuple(info.spec for _, info in self._tensors.values())
+        # Made once: the compiler and the executor both ask, and 100,000 specs take a while.
+        if self._specs is None:
+            with gc_paused():
+                self._specs = tuple(
+                    TensorSpec(info.name, info.dtype, info.shape)
+                    for _, info in self._tensors.values()
+                )
+        return self._specs
 
     def file_of(self, name: str) -> Path:
         """The file that stores tensor ``name``."""
@@ -437,12 +452,16 @@ class Checkpoint:
         pickled = any(isinstance(h, PickleHeader) for h in self.headers.values())
         return "pytorch" if pickled else "safetensors"
 
+    @property
+    def strided(self) -> frozenset[str]:
+        """The tensors that are no byte range of their file (:meth:`has_range` is False)."""
+        return self._strided
+
     def has_range(self, name: str) -> bool:
         """True when tensor ``name`` is one byte range of its file (:meth:`location`); False
         for a PyTorch tensor that is not contiguous in its storage (read it with :meth:`view`)."""
-        path, _ = self._lookup(name)
-        header = self.headers[path]
-        return not (isinstance(header, PickleHeader) and name in header.strided)
+        self._lookup(name)  # (a KeyError for a name the checkpoint lacks)
+        return name not in self._strided
 
     def location(self, name: str) -> TensorLocation:
         """The byte range of tensor ``name`` in its file (see :meth:`has_range`)."""

@@ -116,4 +116,10 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
-        return nbytes(self.dtype, self.shape)
+        # Asked for several times per tensor (writer, executor, progress): kept after the
+        # first time, in the instance's own dict (outside the dataclass fields, so equality
+        # and hashing never see it).
+        found = self.__dict__.get("_nbytes")
+        if found is None:
+            found = self.__dict__["_nbytes"] = nbytes(self.dtype, self.shape)
+        return found

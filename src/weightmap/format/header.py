@@ -14,7 +14,7 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from operator import attrgetter
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -47,9 +47,10 @@ class TensorInfo:
         """Size of the tensor's data in bytes."""
         return self.end - self.begin
 
-    @cached_property
+    @property
     def spec(self) -> TensorSpec:
-        """The tensor's name, dtype and shape."""
+        """The tensor's name, dtype and shape (a new one each time: ``Checkpoint.specs`` keeps
+        them)."""
         return TensorSpec(self.name, self.dtype, self.shape)
 
 
@@ -91,33 +92,48 @@ def _check_nesting(text: str, path: str) -> None:
         raise _fail(path, "header-json", f"header JSON nests deeper than {_MAX_DEPTH} levels")
 
 
-def _decode_json(raw: bytes, path: str) -> Any:
+def _decode_text(raw: bytes, path: str) -> str:
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _fail(
             path, "header-utf8", f"header is not valid UTF-8 (byte {exc.start} of the header)"
         ) from None
 
+
+def _decode_json(text: str, path: str) -> Any:
+    """The header's JSON, refusing duplicate names and NaN; a header that fails is checked for
+    nesting first, so that the error is the one a scan before decoding would give.
+
+    The nesting scan costs as much as the decoding, so it runs only where it can matter: on
+    a failure here, or (``parse_header``) on a header that is not all plain tensor entries.
+    The decoder itself is safe on deep nesting: it raises ``RecursionError``.
+    """
+
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in result:
-                raise _fail(
-                    path, "duplicate-name", f"name {_brief(key)} appears twice in the header"
-                )
-            result[key] = value
+        # Called for every object of the header (one per tensor): the dict is built at C
+        # speed, and only a short one is looked through for the name that came twice.
+        result = dict(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise _fail(
+                        path, "duplicate-name", f"name {_brief(key)} appears twice in the header"
+                    )
+                seen.add(key)
         return result
 
     def no_constants(name: str) -> Any:
         raise _fail(path, "header-json", f"header JSON contains {name}, which JSON does not allow")
 
-    _check_nesting(text, path)
     try:
         return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
     except FormatError:
+        _check_nesting(text, path)
         raise
     except (ValueError, RecursionError) as exc:
+        _check_nesting(text, path)
         raise _fail(path, "header-json", f"header is not valid JSON ({exc})") from None
 
 
@@ -182,24 +198,50 @@ def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
         return None
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     dt = DTYPES.get(dtype_name) if type(dtype_name) is str else None
-    if (
-        dt is None
-        or type(shape) is not list
-        or type(offsets) is not list
-        or len(offsets) != 2
-        or not all(type(d) is int and d >= 0 for d in shape)
-    ):
+    if dt is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
         return None
     begin, end = offsets
     if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= U64_MAX:
         return None
-    count = _numel(shape)
-    if count is None:
-        return None
+    # The dimensions' types and _numel's product in one loop (this runs once per tensor).
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0 or d > U64_MAX:
+            return None
+        count *= d
+        if count > U64_MAX:
+            return None
     bits = count * dt.bits
     if bits > U64_MAX or bits % 8 or end - begin != bits // 8:
         return None
     return TensorInfo(name, dtype_name, tuple(shape), begin, end)
+
+
+def _plain_header(
+    decoded: object, escapes: bool
+) -> tuple[dict[str, str] | None, list[TensorInfo]] | None:
+    """The metadata and tensors of a header that is all plain entries, or None for anything
+    else. Raises nothing: ``parse_header`` then checks every rule in order. ``escapes`` is
+    whether the text has ``\\u`` escapes, the only way a lone surrogate gets into a name."""
+    if type(decoded) is not dict:
+        return None
+    metadata: dict[str, str] | None = None
+    infos: list[TensorInfo] = []
+    for name, entry in decoded.items():
+        if escapes and not is_utf8(name):
+            return None
+        if name == "__metadata__":
+            if type(entry) is not dict or not all(type(v) is str for v in entry.values()):
+                return None
+            if escapes and not all(is_utf8(k) and is_utf8(v) for k, v in entry.items()):
+                return None
+            metadata = entry
+            continue
+        info = _plain_tensor(name, entry)
+        if info is None:
+            return None
+        infos.append(info)
+    return metadata, infos
 
 
 def _tensor(name: str, entry: object, path: str) -> TensorInfo:
@@ -265,6 +307,9 @@ def _tensor(name: str, entry: object, path: str) -> TensorInfo:
     return TensorInfo(name, dtype_name, tuple(shape), begin, end)
 
 
+_BY_OFFSETS = attrgetter("begin", "end")
+
+
 def _check_layout(infos: list[TensorInfo], header_size: int, file_size: int, path: str) -> None:
     """The data buffer is indexed exactly: back to back from 0, no trailing bytes.
 
@@ -313,17 +358,22 @@ def parse_header(
     ``raw`` is exactly the ``header_size`` bytes after the 8-byte length prefix. Raises a
     :class:`FormatError` for the first rule the header breaks.
     """
-    decoded = _decode_json(raw, path)
-    if not isinstance(decoded, dict):
-        raise _fail(path, "header-object", "header JSON is not an object")
-    metadata: dict[str, str] | None = None
-    infos: list[TensorInfo] = []
-    for name, entry in decoded.items():
-        if name == "__metadata__":
-            metadata = _metadata(entry, path)
-        else:
-            infos.append(_tensor(name, entry, path))
-    infos.sort(key=lambda t: (t.begin, t.end))
+    text = _decode_text(raw, path)
+    decoded = _decode_json(text, path)
+    parsed = _plain_header(decoded, "\\u" in text)
+    if parsed is None:
+        # Something is not plain: check it all, in order, for the first rule it breaks.
+        _check_nesting(text, path)
+        if not isinstance(decoded, dict):
+            raise _fail(path, "header-object", "header JSON is not an object")
+        parsed = None, []
+        for name, entry in decoded.items():
+            if name == "__metadata__":
+                parsed = _metadata(entry, path), parsed[1]
+            else:
+                parsed[1].append(_tensor(name, entry, path))
+    metadata, infos = parsed
+    infos.sort(key=_BY_OFFSETS)
     _check_layout(infos, header_size, file_size, path)
     return Header(
         path=path,

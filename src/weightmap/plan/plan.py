@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.gcpause import gc_paused
 from weightmap.language.ast import Loc
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
@@ -104,8 +105,13 @@ class Plan:
     config_json: str | None = None
     input_config_json: str | None = None
     files: tuple[SideFile, ...] = ()
+    # Caches filled on first use; not init fields, so dataclasses.replace never carries one
+    # over to a plan with other outputs.
     _by_name: dict[str, OutputTensor] = field(
-        default_factory=dict, compare=False, repr=False, hash=False
+        default_factory=dict, init=False, compare=False, repr=False, hash=False
+    )
+    _specs: list[tuple[TensorSpec, ...]] = field(
+        default_factory=list, init=False, compare=False, repr=False, hash=False
     )
 
     @classmethod
@@ -168,7 +174,12 @@ class Plan:
 
     def output_specs(self) -> tuple[TensorSpec, ...]:
         """The output tensors' names, dtypes and shapes, in plan order."""
-        return tuple(o.spec for o in self.outputs)
+        # Asked for by the writer, the executor and the progress bar alike: made once, as a
+        # checkpoint of 100,000 tensors takes a tenth of a second to list.
+        if not self._specs:
+            with gc_paused():
+                self._specs.append(tuple(o.spec for o in self.outputs))
+        return self._specs[0]
 
     def output(self, name: str) -> OutputTensor:
         """The output tensor called ``name`` (KeyError if none)."""
