@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the EAGLE-3 forward equivalence test on an accelerator machine, in one command:
+# Run the EAGLE-3 forward equivalence test and the fp8 (de)quantization comparison on an
+# accelerator machine, in one command:
 #
 #     tests/gpu/run.sh
 #
@@ -10,6 +11,7 @@
 #   forward-pytest.log     the full pytest -v output
 #   forward-junit.xml      pytest's JUnit report
 #   forward-report.jsonl   one line of measured differences per case
+#   device-report.jsonl    one line per fp8 case: elements that differ from the CUDA reference
 #   forward-summary.json   GPU, driver, torch / CUDA versions, outcome, per-case differences
 #   forward-summary.md     the same as a table, ready for docs/gpu-check.md
 # Exit status: pytest's.
@@ -51,9 +53,10 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 export WEIGHTMAP_FORWARD_REPORT="$OUT_DIR/forward-report.jsonl"
-rm -f "$WEIGHTMAP_FORWARD_REPORT"
+export WEIGHTMAP_DEVICE_REPORT="$OUT_DIR/device-report.jsonl"
+rm -f "$WEIGHTMAP_FORWARD_REPORT" "$WEIGHTMAP_DEVICE_REPORT"
 set +e
-"$PY" -m pytest -m forward -v -p no:cacheprovider --continue-on-collection-errors \
+"$PY" -m pytest -m "forward or device" -v -p no:cacheprovider --continue-on-collection-errors \
     --junitxml "$OUT_DIR/forward-junit.xml" 2>&1 | tee "$OUT_DIR/forward-pytest.log"
 status=${PIPESTATUS[0]}
 set -e
@@ -85,6 +88,8 @@ if junit.is_file():
             counts[key] += int(suite.get(key, 0))
 report = out / "forward-report.jsonl"
 cases = [json.loads(line) for line in report.read_text().splitlines()] if report.is_file() else []
+fp8 = out / "device-report.jsonl"
+fp8_cases = [json.loads(line) for line in fp8.read_text().splitlines()] if fp8.is_file() else []
 summary = {
     "gpu": torch.cuda.get_device_name(0) if cuda else None,
     "nvidia_smi": smi or None,
@@ -95,6 +100,7 @@ summary = {
     **counts,
     "dtypes": sorted({c["dtype"] for c in cases}),
     "cases": cases,
+    "fp8_cases": fp8_cases,
 }
 (out / "forward-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 lines = [
@@ -115,6 +121,15 @@ for c in cases:
         f"| {c['max_abs_diff_logits']:.3g} ({c['tol_logits']:.3g}) "
         f"| {c['max_abs_diff_hidden']:.3g} ({c['tol_hidden']:.3g}) "
         f"| {c['tokens_compared']}/{c['tokens_total']} |"
+    )
+lines += [
+    "",
+    "| fp8 case | reference on | elements that differ | scales that differ |",
+    "|---|---|---|---|",
+]
+for c in fp8_cases:
+    lines.append(
+        f"| {c['case']} | {c['device']} | {c['elements_differ']} | {c.get('scales_differ', '-')} |"
     )
 (out / "forward-summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
