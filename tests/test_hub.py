@@ -200,3 +200,17 @@ class _Response:
 
     def json(self) -> dict[str, str]:
         return json.loads("{}")
+
+
+def test_verify_takes_the_repo_id_it_converted(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang")
+    assert weightmap.verify(tmp_path / "out", result.plan, source="org/tiny") == []
+    (tmp_path / "out" / "tok" / "vocab.txt").write_text("a\nc\n")
+    assert weightmap.verify(tmp_path / "out", result.plan, source="org/tiny@v1") == [
+        "side file 'tok/vocab.txt' differs from 'tok/vocab.txt' in the input"
+    ]

@@ -412,11 +412,12 @@ def verify(
 
     Names, dtypes, shapes and config.json are compared with the plan. Bytes are compared with
     ``checksums`` (output name -> CRC-32, as ``Result.checksums`` holds after ``verify=True``)
-    or, given ``source`` (the input checkpoint), with the outputs recomputed from it. Without
-    either for every output that has bytes there is nothing to compare the bytes with, and
-    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine. Side files
-    are compared with the plan (present, sizes, added text) and, given a ``source`` folder,
-    with the input's files byte for byte.
+    or, given ``source`` (the input checkpoint: a folder, a file or a Hub id, as :func:`remap`
+    takes it), with the outputs recomputed from it. Without either for every output that has
+    bytes there is nothing to compare the bytes with, and ``verify`` raises ``ValueError``
+    rather than report a corrupt output as fine. Side files are compared with the plan
+    (present, sizes, added text) and, given a ``source`` folder, with the input's files byte
+    for byte.
 
     >>> result = remap(src, "out", preset="eagle3-sglang", verify=True)   # doctest: +SKIP
     >>> verify("out", result.plan, result.checksums)                      # doctest: +SKIP
@@ -436,7 +437,11 @@ def verify(
         return _check_output(Path(dest), plan, checksums, None)
     if isinstance(source, Checkpoint):
         return _check_output(Path(dest), plan, _recomputed(plan, source), source.root)
-    with Checkpoint.open(source) as ckpt:
+    # Any input remap takes, a Hub id included (its carried side files fetched too, from the
+    # cache first, to be compared byte for byte).
+    src = _Source.resolve(source, CONFIG_NAME, progress=False)
+    with Checkpoint.open(src.path) as ckpt:
+        src.fetch(plan, progress=False)
         checksums = _recomputed(plan, ckpt)
     return _check_output(Path(dest), plan, checksums, ckpt.root)
 
