@@ -522,7 +522,12 @@ def iter_tensors(
     src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
     ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
     try:
-        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        # With the side files `remap` lists, though none is copied: `exists file` must see
+        # them, or a mapping that tests for one would yield other tensors than it writes.
+        files = src.side_files(ckpt, rules, True, None)
+        plan = compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
+        )
         check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()
