@@ -133,7 +133,10 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             old = json.loads(ckpt.index_path.read_text())
             old["weight_map"] = dict(sorted(weight_map.items()))
             journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
-        if plan.config is not None and plan.config != ckpt.config:
+        # Compared with config.json as it is, not with the config the plan read: a mapping's
+        # `config from "params.json"` reads another file, and the conversion into a new folder
+        # writes config.json from it whether or not the mapping edits it.
+        if plan.config is not None and plan.config != _config_json(root):
             journal["config"] = (
                 json.dumps(plan.config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
             )
@@ -148,6 +151,18 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             ) from exc
         _replay(root, work)
     return list(headers)
+
+
+def _config_json(root: Path) -> Any:
+    """The folder's config.json as JSON, or None when it is absent or unreadable (then the
+    plan's config is written over it, as the conversion would write it)."""
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return read_json_file(path, CONFIG_NAME)
+    except (CheckpointError, OSError):
+        return None
 
 
 def _check_unchanged(ckpt: Checkpoint) -> None:
