@@ -1,5 +1,6 @@
-"""Where features meet: in-place renames beside `config from`, `iter_tensors` beside side
-files. Each case runs both ways and compares with the conversion into a new folder."""
+"""Where features meet: in-place renames beside side files and `config from`, `iter_tensors`
+beside side files. Each case runs both ways and compares with the conversion into a new
+folder."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 import weightmap
 from weightmap.errors import MappingError
+from weightmap.format.checkpoint import Checkpoint
 
 
 def _folder(root: Path) -> Path:
@@ -21,6 +23,59 @@ def _folder(root: Path) -> Path:
     (root / "config.py").write_text("class Config: ...\n")
     (root / "README.md").write_text("# model\n")
     return root
+
+
+# A rename-only mapping whose config depends on a side file, as the eagle3-speculators preset's
+# auto_map depends on config.py.
+EXISTS = """weightmap 1
+rename "a" -> "c"
+unmatched keep
+if exists file "config.py" {
+    config {
+        auto_map = {"": "config.Config"}
+    }
+} else {
+    warn "no config.py"
+}
+"""
+
+
+def test_inplace_sees_the_side_files_a_conversion_sees(tmp_path: Path) -> None:
+    src = _folder(tmp_path / "src")
+    moved = weightmap.remap(src, tmp_path / "out", mapping=EXISTS)
+    assert moved.plan.warnings == ()
+    result = weightmap.remap(src, mapping=EXISTS, inplace=True)
+    # Nothing is carried in place: the side files stay where they are, and no "not carried"
+    # warnings or side files are shown for them.
+    assert result.plan.warnings == () and result.plan.files == ()
+    with Checkpoint.open(src) as ckpt:
+        assert ckpt.config == moved.plan.config
+        assert ckpt.config is not None and ckpt.config["auto_map"] == {"": "config.Config"}
+        assert sorted(ckpt.tensors) == ["b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("block", "what"),
+    [
+        ('drop "README.md"', "dropped: README.md"),
+        ('rename "config.py" -> "code/config.py"', "renamed: config.py -> code/config.py"),
+        ('add "NOTICE" = "converted\\n"', "added: NOTICE"),
+    ],
+)
+def test_inplace_refuses_a_files_block_it_cannot_apply(
+    tmp_path: Path, block: str, what: str
+) -> None:
+    src = _folder(tmp_path / "src")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    mapping = f'weightmap 1\nrename "a" -> "c"\nunmatched keep\nfiles {{\n    {block}\n}}\n'
+    with pytest.raises(MappingError, match="in-place mode leaves the folder's other files") as info:
+        weightmap.remap(src, mapping=mapping, inplace=True)
+    assert what in str(info.value) and "convert into a new folder" in str(info.value)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    # Turned off, no block applies (as for any conversion), and the rename goes ahead.
+    weightmap.remap(src, mapping=mapping, inplace=True, side_files=False)
+    with Checkpoint.open(src) as ckpt:
+        assert sorted(ckpt.tensors) == ["b", "c"]
 
 
 def test_inplace_with_config_from_writes_config_json(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,7 +16,7 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.cluster import execute_on_ray
-from weightmap.execute.inplace import rewrite_inplace
+from weightmap.execute.inplace import check_files_stay, rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
@@ -273,10 +273,20 @@ def remap(
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
-        carried = src.side_files(ckpt, rules, side_files and not inplace, out)
+        carried = src.side_files(ckpt, rules, side_files, out)
+        if inplace and carried is not None:
+            # Listed in place too, so that `exists file` sees what a conversion into a new
+            # folder sees (a preset's config.json edits depend on it); without the warnings
+            # about entries a copy would skip, since nothing is copied.
+            carried = FolderFiles(carried.files)
         plan = compile_plan(
             rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
         )
+        if inplace:
+            # The folder's other files stay where they are: a files block that would change
+            # them is refused, and the plan carries none.
+            check_files_stay(plan, [f.name for f in carried.files] if carried else [])
+            plan = replace(plan, files=())
         if on_plan is not None:
             on_plan(plan)
         if not dry_run:
