@@ -202,6 +202,25 @@ class _Response:
         return json.loads("{}")
 
 
+def test_inplace_never_rewrites_the_cache(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository's files are links into the cache's blobs, each named by its content and
+    shared by every revision that holds it: an in-place rename is refused, by id or by the
+    snapshot folder's path, before anything is written."""
+    snap = cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blobs = snap.parent.parent / "blobs"
+    before = {p.name: p.read_bytes() for p in blobs.iterdir()}
+    for spec in ("org/tiny", str(snap)):
+        with pytest.raises(CheckpointError) as info:
+            weightmap.remap(spec, preset="eagle3-sglang", inplace=True)
+        assert info.value.rule == "inplace-link" and "convert into a new folder" in str(info.value)
+    assert {p.name: p.read_bytes() for p in blobs.iterdir()} == before
+    assert all(p.is_symlink() for p in snap.iterdir() if p.is_file())
+
+
 def test_verify_takes_the_repo_id_it_converted(
     tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

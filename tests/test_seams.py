@@ -1,6 +1,6 @@
 """Where features meet: in-place renames beside side files and `config from`, `iter_tensors`
-beside side files. Each case runs both ways and compares with the conversion into a new
-folder."""
+beside side files, PyTorch inputs beside in-place renames. Each case runs both ways and
+compares with the conversion into a new folder."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import weightmap
+from weightmap import cli
 from weightmap.errors import MappingError
 from weightmap.format.checkpoint import Checkpoint
 
@@ -96,6 +97,19 @@ def test_inplace_with_config_from_writes_config_json(tmp_path: Path) -> None:
     back = 'weightmap 1\nconfig from "params.json"\nrename "c" -> "a"\n'
     weightmap.remap(src, mapping=back, inplace=True)
     assert json.loads((src / "config.json").read_text()) == written
+
+
+def test_inplace_refuses_pytorch_before_the_plan_is_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save({"a": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    mapping = tmp_path / "m.wm"
+    mapping.write_text('weightmap 1\nrename "a" -> "b"\n')
+    for extra in ([], ["--dry-run"]):
+        code = cli.main(["convert", str(tmp_path), "--inplace", "--mapping", str(mapping), *extra])
+        out, err = capsys.readouterr()
+        assert code == 1 and out == "", out
+        assert "in-place renames rewrite safetensors headers" in err and "[inplace-format]" in err
 
 
 def test_iter_tensors_sees_the_side_files_remap_sees(tmp_path: Path) -> None:

@@ -273,6 +273,8 @@ def remap(
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+        if inplace:
+            _check_inplace_source(ckpt)
         carried = src.side_files(ckpt, rules, side_files, out)
         if inplace and carried is not None:
             # Listed in place too, so that `exists file` sees what a conversion into a new
@@ -294,13 +296,6 @@ def remap(
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
-            if ckpt.format != "safetensors":
-                raise CheckpointError(
-                    "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
-                    "converted into a new folder (give an output folder instead)",
-                    path=ckpt.root,
-                    rule="inplace-format",
-                )
             files = rewrite_inplace(plan, ckpt)
             return Result(
                 plan=plan,
@@ -340,6 +335,30 @@ def remap(
         verified=verify,
         checksums=dict(stats.checksums or {}),
     )
+
+
+def _check_inplace_source(ckpt: Checkpoint) -> None:
+    """Refuse, before the plan is made or shown, files an in-place rename must not rewrite."""
+    if ckpt.format != "safetensors":
+        raise CheckpointError(
+            "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
+            "converted into a new folder (give an output folder instead)",
+            path=ckpt.root,
+            rule="inplace-format",
+        )
+    # A Hub id's files (or a cache snapshot's, given as a folder) are links into the cache's
+    # blobs/: the rewrite would change a blob named by its content, which every revision that
+    # holds the file shares.
+    root = ckpt.root.resolve()
+    linked = [p for p in ckpt.files if p.resolve().parent != root]
+    if linked:
+        raise CheckpointError(
+            f"{linked[0].name} is a link to {linked[0].resolve()}, outside the checkpoint's "
+            "folder (a Hugging Face cache keeps one file there for every revision that holds "
+            "it): an in-place rename would rewrite that file; convert into a new folder instead",
+            path=ckpt.root,
+            rule="inplace-link",
+        )
 
 
 # Names that say "a file": a destination called so is almost always meant as the output file,
