@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,6 +111,31 @@ def test_inplace_refuses_pytorch_before_the_plan_is_shown(
         out, err = capsys.readouterr()
         assert code == 1 and out == "", out
         assert "in-place renames rewrite safetensors headers" in err and "[inplace-format]" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "flag", "message"),
+    [
+        ({"verify": True}, "--verify", "verify=True checks a new output"),
+        ({"executor": "ray"}, "--ray", "executor='ray' runs a conversion into a new folder"),
+    ],
+)
+def test_inplace_refuses_options_it_would_ignore(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    option: dict[str, Any],
+    flag: str,
+    message: str,
+) -> None:
+    src = _folder(tmp_path / "src")
+    with pytest.raises(ValueError, match=message):
+        weightmap.remap(src, mapping=EXISTS, inplace=True, **option)
+    (tmp_path / "m.wm").write_text(EXISTS)
+    args = ["convert", str(src), "--inplace", flag, "--mapping", str(tmp_path / "m.wm")]
+    assert cli.main(args) == 2
+    assert f"(no {flag})" in capsys.readouterr().err
+    with Checkpoint.open(src) as ckpt:
+        assert sorted(ckpt.tensors) == ["a", "b"]
 
 
 def test_iter_tensors_sees_the_side_files_remap_sees(tmp_path: Path) -> None:

@@ -268,6 +268,8 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
+    if inplace:
+        _check_inplace_options(verify, executor)
     if out is not None:
         _check_destination(Path(out))
     bars = progress is True or (progress is None and sys.stderr.isatty())
@@ -335,6 +337,21 @@ def remap(
         verified=verify,
         checksums=dict(stats.checksums or {}),
     )
+
+
+def _check_inplace_options(verify: bool, executor: Executor) -> None:
+    """Refuse options an in-place rename would otherwise ignore without a word."""
+    if verify:
+        raise ValueError(
+            "verify=True checks a new output before it is committed, and an in-place rename "
+            "writes no tensor bytes: leave verify off (no --verify), or convert into a new folder"
+        )
+    if executor != "local":
+        raise ValueError(
+            f"executor={executor!r} runs a conversion into a new folder, and an in-place rename "
+            "only rewrites headers, on this machine: leave the executor local (no --ray), or "
+            "convert into a new folder"
+        )
 
 
 def _check_inplace_source(ckpt: Checkpoint) -> None:
