@@ -200,3 +200,36 @@ class _Response:
 
     def json(self) -> dict[str, str]:
         return json.loads("{}")
+
+
+def test_inplace_never_rewrites_the_cache(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository's files are links into the cache's blobs, each named by its content and
+    shared by every revision that holds it: an in-place rename is refused, by id or by the
+    snapshot folder's path, before anything is written."""
+    snap = cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blobs = snap.parent.parent / "blobs"
+    before = {p.name: p.read_bytes() for p in blobs.iterdir()}
+    for spec in ("org/tiny", str(snap)):
+        with pytest.raises(CheckpointError) as info:
+            weightmap.remap(spec, preset="eagle3-sglang", inplace=True)
+        assert info.value.rule == "inplace-link" and "convert into a new folder" in str(info.value)
+    assert {p.name: p.read_bytes() for p in blobs.iterdir()} == before
+    assert all(p.is_symlink() for p in snap.iterdir() if p.is_file())
+
+
+def test_verify_takes_the_repo_id_it_converted(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang")
+    assert weightmap.verify(tmp_path / "out", result.plan, source="org/tiny") == []
+    (tmp_path / "out" / "tok" / "vocab.txt").write_text("a\nc\n")
+    assert weightmap.verify(tmp_path / "out", result.plan, source="org/tiny@v1") == [
+        "side file 'tok/vocab.txt' differs from 'tok/vocab.txt' in the input"
+    ]

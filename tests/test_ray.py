@@ -286,6 +286,25 @@ def test_remap_and_cli_on_ray(tmp_path: Path, example: Path) -> None:
     assert ray.is_initialized()  # a cluster the caller started is left running
 
 
+def test_relative_paths_reach_workers_in_another_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paths as a user types them, relative to the driver's folder: the workers run in the
+    folder their cluster started in (another one here, as for any cluster started with
+    `ray start`), yet read the same input and write the same output."""
+    root = tmp_path / "in"
+    _checkpoint(root)
+    (root / "tokenizer.json").write_text("{}")
+    mapping = 'weightmap 1\ncast "a" to bf16\nunmatched keep\n'
+    local = weightmap.remap(root, tmp_path / "local", mapping=mapping, progress=False)
+    monkeypatch.chdir(tmp_path)
+    remote = weightmap.remap(
+        "in", "ray", mapping=mapping, executor="ray", verify=True, progress=False
+    )
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
+    assert remote.bytes_computed == local.bytes_computed and leftovers(tmp_path) == []
+
+
 def test_ray_missing_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _checkpoint(tmp_path)
     text = 'weightmap 1\ncast "a" to bf16\nunmatched keep\n'

@@ -7,7 +7,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,7 +16,7 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.compiler.inverse import invert
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.cluster import execute_on_ray
-from weightmap.execute.inplace import rewrite_inplace
+from weightmap.execute.inplace import check_files_stay, rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
@@ -268,15 +268,29 @@ def remap(
         raise ValueError("inplace=True rewrites the checkpoint itself; do not pass out=")
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
+    if inplace:
+        _check_inplace_options(verify, executor)
     if out is not None:
         _check_destination(Path(out))
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
-        carried = src.side_files(ckpt, rules, side_files and not inplace, out)
+        if inplace:
+            _check_inplace_source(ckpt)
+        carried = src.side_files(ckpt, rules, side_files, out)
+        if inplace and carried is not None:
+            # Listed in place too, so that `exists file` sees what a conversion into a new
+            # folder sees (a preset's config.json edits depend on it); without the warnings
+            # about entries a copy would skip, since nothing is copied.
+            carried = FolderFiles(carried.files)
         plan = compile_plan(
             rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
         )
+        if inplace:
+            # The folder's other files stay where they are: a files block that would change
+            # them is refused, and the plan carries none.
+            check_files_stay(plan, [f.name for f in carried.files] if carried else [])
+            plan = replace(plan, files=())
         if on_plan is not None:
             on_plan(plan)
         if not dry_run:
@@ -284,13 +298,6 @@ def remap(
         if dry_run:
             return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
         if inplace:
-            if ckpt.format != "safetensors":
-                raise CheckpointError(
-                    "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
-                    "converted into a new folder (give an output folder instead)",
-                    path=ckpt.root,
-                    rule="inplace-format",
-                )
             files = rewrite_inplace(plan, ckpt)
             return Result(
                 plan=plan,
@@ -330,6 +337,45 @@ def remap(
         verified=verify,
         checksums=dict(stats.checksums or {}),
     )
+
+
+def _check_inplace_options(verify: bool, executor: Executor) -> None:
+    """Refuse options an in-place rename would otherwise ignore without a word."""
+    if verify:
+        raise ValueError(
+            "verify=True checks a new output before it is committed, and an in-place rename "
+            "writes no tensor bytes: leave verify off (no --verify), or convert into a new folder"
+        )
+    if executor != "local":
+        raise ValueError(
+            f"executor={executor!r} runs a conversion into a new folder, and an in-place rename "
+            "only rewrites headers, on this machine: leave the executor local (no --ray), or "
+            "convert into a new folder"
+        )
+
+
+def _check_inplace_source(ckpt: Checkpoint) -> None:
+    """Refuse, before the plan is made or shown, files an in-place rename must not rewrite."""
+    if ckpt.format != "safetensors":
+        raise CheckpointError(
+            "in-place renames rewrite safetensors headers; a PyTorch checkpoint is "
+            "converted into a new folder (give an output folder instead)",
+            path=ckpt.root,
+            rule="inplace-format",
+        )
+    # A Hub id's files (or a cache snapshot's, given as a folder) are links into the cache's
+    # blobs/: the rewrite would change a blob named by its content, which every revision that
+    # holds the file shares.
+    root = ckpt.root.resolve()
+    linked = [p for p in ckpt.files if p.resolve().parent != root]
+    if linked:
+        raise CheckpointError(
+            f"{linked[0].name} is a link to {linked[0].resolve()}, outside the checkpoint's "
+            "folder (a Hugging Face cache keeps one file there for every revision that holds "
+            "it): an in-place rename would rewrite that file; convert into a new folder instead",
+            path=ckpt.root,
+            rule="inplace-link",
+        )
 
 
 # Names that say "a file": a destination called so is almost always meant as the output file,
@@ -412,11 +458,12 @@ def verify(
 
     Names, dtypes, shapes and config.json are compared with the plan. Bytes are compared with
     ``checksums`` (output name -> CRC-32, as ``Result.checksums`` holds after ``verify=True``)
-    or, given ``source`` (the input checkpoint), with the outputs recomputed from it. Without
-    either for every output that has bytes there is nothing to compare the bytes with, and
-    ``verify`` raises ``ValueError`` rather than report a corrupt output as fine. Side files
-    are compared with the plan (present, sizes, added text) and, given a ``source`` folder,
-    with the input's files byte for byte.
+    or, given ``source`` (the input checkpoint: a folder, a file or a Hub id, as :func:`remap`
+    takes it), with the outputs recomputed from it. Without either for every output that has
+    bytes there is nothing to compare the bytes with, and ``verify`` raises ``ValueError``
+    rather than report a corrupt output as fine. Side files are compared with the plan
+    (present, sizes, added text) and, given a ``source`` folder, with the input's files byte
+    for byte.
 
     >>> result = remap(src, "out", preset="eagle3-sglang", verify=True)   # doctest: +SKIP
     >>> verify("out", result.plan, result.checksums)                      # doctest: +SKIP
@@ -436,7 +483,11 @@ def verify(
         return _check_output(Path(dest), plan, checksums, None)
     if isinstance(source, Checkpoint):
         return _check_output(Path(dest), plan, _recomputed(plan, source), source.root)
-    with Checkpoint.open(source) as ckpt:
+    # Any input remap takes, a Hub id included (its carried side files fetched too, from the
+    # cache first, to be compared byte for byte).
+    src = _Source.resolve(source, CONFIG_NAME, progress=False)
+    with Checkpoint.open(src.path) as ckpt:
+        src.fetch(plan, progress=False)
         checksums = _recomputed(plan, ckpt)
     return _check_output(Path(dest), plan, checksums, ckpt.root)
 
@@ -517,7 +568,12 @@ def iter_tensors(
     src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
     ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
     try:
-        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=dict(params or {}))
+        # With the side files `remap` lists, though none is copied: `exists file` must see
+        # them, or a mapping that tests for one would yield other tensors than it writes.
+        files = src.side_files(ckpt, rules, True, None)
+        plan = compile_plan(
+            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
+        )
         check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()

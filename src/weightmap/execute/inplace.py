@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,14 @@ from weightmap.format.text import read_json_file
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
-__all__ = ["Journal", "inplace_headers", "read_journal", "recover", "rewrite_inplace"]
+__all__ = [
+    "Journal",
+    "check_files_stay",
+    "inplace_headers",
+    "read_journal",
+    "recover",
+    "rewrite_inplace",
+]
 
 # A journal holds one header per shard; headers are capped at 100 MB each by the format, and
 # base64 grows them by a third. Beyond this it cannot be one we wrote.
@@ -110,6 +118,28 @@ def inplace_headers(plan: Plan, ckpt: Checkpoint) -> dict[Path, bytes]:
     return result
 
 
+def check_files_stay(plan: Plan, present: Iterable[str]) -> None:
+    """Refuse a plan whose ``files`` blocks change the folder's other files (``present``, as
+    listed for the plan): in place they stay as they are, so a drop, rename or add the
+    mapping asks for could not happen, and the rename would go ahead without it."""
+    carried = {f.source for f in plan.files if f.source is not None}
+    changes = [f"dropped: {name}" for name in sorted(set(present) - carried)]
+    changes += [
+        f"renamed: {f.source} -> {f.name}"
+        for f in plan.files
+        if f.source is not None and f.source != f.name
+    ]
+    changes += [f"added: {f.name}" for f in plan.files if f.source is None]
+    if changes:
+        more = f"; and {len(changes) - 5} more" if len(changes) > 5 else ""
+        shown = "; ".join(changes[:5]) + more
+        raise PlanError(
+            "in-place mode leaves the folder's other files as they are, but the mapping's files "
+            f"block changes them ({shown}); convert into a new folder instead (or turn side "
+            "files off: --no-side-files, side_files=False)"
+        )
+
+
 def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
     """Apply a rename-only plan to ``ckpt``'s files in place; returns the files changed.
 
@@ -133,7 +163,10 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             old = json.loads(ckpt.index_path.read_text())
             old["weight_map"] = dict(sorted(weight_map.items()))
             journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
-        if plan.config is not None and plan.config != ckpt.config:
+        # Compared with config.json as it is, not with the config the plan read: a mapping's
+        # `config from "params.json"` reads another file, and the conversion into a new folder
+        # writes config.json from it whether or not the mapping edits it.
+        if plan.config is not None and plan.config != _config_json(root):
             journal["config"] = (
                 json.dumps(plan.config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
             )
@@ -148,6 +181,18 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             ) from exc
         _replay(root, work)
     return list(headers)
+
+
+def _config_json(root: Path) -> Any:
+    """The folder's config.json as JSON, or None when it is absent or unreadable (then the
+    plan's config is written over it, as the conversion would write it)."""
+    path = root / CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return read_json_file(path, CONFIG_NAME)
+    except (CheckpointError, OSError):
+        return None
 
 
 def _check_unchanged(ckpt: Checkpoint) -> None:

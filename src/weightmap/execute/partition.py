@@ -279,14 +279,18 @@ def partition(
                 placed.append(_Placed(shard, begin + part.offset, _cost(part), part))
 
     groups = _groups(placed, target)
+    # Absolute paths: a task runs in its worker's folder (where its node's Ray started), not
+    # in the driver's, so a path relative to the driver's folder names another file there.
     inputs = tuple(
-        InputFile(str(p), h.header_size, h.file_size, h.mtime_ns, isinstance(h, PickleHeader))
+        InputFile(
+            str(p.absolute()), h.header_size, h.file_size, h.mtime_ns, isinstance(h, PickleHeader)
+        )
         for p, h in headers.items()
     )
     where = {n: (number[p], info) for p, h in headers.items() for n, info in h.tensors.items()}
     common = TaskSpec(
         index=-1,
-        folder=str(writer.tmp),
+        folder=str(writer.tmp.absolute()),
         dest=str(writer.dest),
         code=code_digest(),
         shards=tuple(s.filename for s in writer.shards),
