@@ -8,7 +8,6 @@ mkfs.btrfs missing, no loop device).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,22 +17,14 @@ from safetensors.torch import load_file, save_file
 
 import weightmap
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import cowfs  # bench/cowfs.py: mounting images, reading extents
+from conftest import cow_mount, cowfs
 
 BLOCK = 4096
 
 
 @pytest.fixture(scope="module", params=cowfs.KINDS)
 def fs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    kind = str(request.param)
-    try:
-        with cowfs.mounted(kind, tmp_path_factory.mktemp(kind), size="512M") as mnt:
-            yield mnt
-    except cowfs.Unavailable as exc:
-        pytest.skip(f"no {kind} mount: {exc}")
+    yield from cow_mount(str(request.param), tmp_path_factory)
 
 
 def _drafter(root: Path) -> dict[str, torch.Tensor]:

@@ -28,7 +28,6 @@ from weightmap.execute.partition import ComputeUnit, TaskReport, TaskSpec, parti
 from weightmap.execute.sources import plan_writer
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, execute
 from weightmap.execute.task import run_task
-from weightmap.format import layout as layout_mod
 from weightmap.format.atomic import TMP_MARKER, host_name, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
@@ -85,14 +84,6 @@ def run_both(
             **common,  # type: ignore[arg-type]
         )
     return local, tasks
-
-
-@pytest.fixture(params=["clone", "reference"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The writer's layout; the clone layout with a 64-byte block (as in test_programs)."""
-    if request.param == "clone":
-        monkeypatch.setattr(layout_mod, "CLONE_BLOCK", 64)
-    return str(request.param)
 
 
 @settings(

@@ -19,7 +19,6 @@ from weightmap.execute.inplace import recover, rewrite_inplace
 from weightmap.execute.kernels import evaluate, tensor_bytes
 from weightmap.execute.segments import byte_segments
 from weightmap.execute.streaming import execute
-from weightmap.format import layout as layout_mod
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.format.layout import Layouts
@@ -44,16 +43,6 @@ def plan_of(inputs: dict[str, torch.Tensor], outputs: dict[str, Node], **kw: obj
 
 
 # -- generated plans ---------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["clone", "reference"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The writer's layout. Generated tensors are small, so the clone layout runs with a
-    64-byte block: the same arrangement (input order, padded header, congruent offsets) that
-    4096-byte blocks give larger tensors."""
-    if request.param == "clone":
-        monkeypatch.setattr(layout_mod, "CLONE_BLOCK", 64)
-    return str(request.param)
 
 
 @settings(

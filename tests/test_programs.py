@@ -22,18 +22,8 @@ from weightmap.compiler.inverse import invert
 from weightmap.execute.kernels import tensor_bytes
 from weightmap.execute.memory import execute_in_memory
 from weightmap.execute.streaming import execute
-from weightmap.format import layout as layout_mod
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
-
-
-@pytest.fixture(params=["clone", "reference"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The writer's layout; the clone layout with a 64-byte block, so that the small
-    generated tensors get the arrangement 4096-byte blocks give larger ones."""
-    if request.param == "clone":
-        monkeypatch.setattr(layout_mod, "CLONE_BLOCK", 64)
-    return str(request.param)
 
 
 @settings(

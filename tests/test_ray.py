@@ -34,16 +34,12 @@ from weightmap.execute import task as task_module
 from weightmap.execute.cluster import execute_on_ray
 from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, execute
-from weightmap.format import layout as layout_mod
 from weightmap.format.atomic import TMP_MARKER
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
 from weightmap.plan.plan import Plan
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import cowfs  # bench/cowfs.py: mounting images, reading extents
+from conftest import cow_mount, cowfs
 
 SRC = Path(weightmap.__file__).resolve().parent
 Report = Callable[[int], None] | None
@@ -96,15 +92,6 @@ def local_and_ray(
 
 def leftovers(root: Path) -> list[str]:
     return [p.name for p in root.iterdir() if TMP_MARKER in p.name]
-
-
-@pytest.fixture(params=["clone", "reference"])
-def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The writer's layout; the clone layout with a 64-byte block (as in test_programs). The
-    layout is planned by the driver alone, so the workers need not see the patch."""
-    if request.param == "clone":
-        monkeypatch.setattr(layout_mod, "CLONE_BLOCK", 64)
-    return str(request.param)
 
 
 @settings(
@@ -319,12 +306,7 @@ def test_ray_missing_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.fixture(params=cowfs.KINDS)
 def cow(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A loop-mounted copy-on-write filesystem (as in test_cow), or a skip saying why not."""
-    kind = str(request.param)
-    try:
-        with cowfs.mounted(kind, tmp_path_factory.mktemp(kind), size="512M") as mnt:
-            yield mnt
-    except cowfs.Unavailable as exc:
-        pytest.skip(f"no {kind} mount: {exc}")
+    yield from cow_mount(str(request.param), tmp_path_factory)
 
 
 def test_tasks_clone_on_copy_on_write_filesystems(cow: Path) -> None:
