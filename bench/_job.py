@@ -143,20 +143,30 @@ class ParserTimer:
 
 
 class FsyncTimer:
-    """Wraps ``os.fsync`` to add up the time the writer spends waiting for the disk."""
+    """Wraps ``os.fsync`` to time how long the writer waits for the disk: the wall time during
+    which at least one fsync is in progress. The writer fsyncs its shards from several threads
+    at once, and a sum over threads would count overlapping waits more than once (and could
+    exceed the whole conversion's time)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
         self._real = os.fsync
 
     def __call__(self, fd: Any) -> None:
-        t0 = time.perf_counter()
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
         try:
             self._real(fd)
         finally:
             with self._lock:
-                self.seconds += time.perf_counter() - t0
+                self._active -= 1
+                if self._active == 0:
+                    self.seconds += time.perf_counter() - self._since
 
 
 class StageTimer:
