@@ -11,6 +11,8 @@ import pytest
 import weightmap.language.parse as parse_mod
 from weightmap.language import grammar
 
+from conftest import REPO
+
 
 @pytest.fixture
 def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
@@ -29,7 +31,7 @@ def _parses() -> None:
 def test_cache_written_then_used(cache_home: Path) -> None:
     _parses()
     (cache,) = (cache_home / "weightmap").iterdir()
-    assert cache.name.startswith("parser-lark")
+    assert cache.name.startswith("parser-py") and cache.suffix == ".pickle"
     assert (cache_home / "weightmap").stat().st_mode & 0o777 == 0o700
     before = cache.stat().st_mtime_ns
     _parses()
@@ -57,3 +59,28 @@ def test_cache_can_be_turned_off(cache_home: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("WEIGHTMAP_PARSER_CACHE", "0")
     _parses()
     assert not (cache_home / "weightmap").exists()
+
+
+def test_cached_parser_parses_as_built(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parser loaded from the cache gives the same trees as one built from the grammar,
+    for every shipped preset and every golden program (lark tells its parse actions apart by
+    identity: copies of them would fail on the first reduce)."""
+    texts = [p.read_text() for p in sorted((REPO / "mappings").glob("*.wm"))]
+    texts += [p.read_text() for p in sorted((REPO / "tests" / "data" / "lang").rglob("*.wm"))]
+    assert len(texts) > 20
+    grammar.parser.cache_clear()
+    grammar.parser()  # builds and writes the cache
+    (cache,) = (cache_home / "weightmap").iterdir()
+    cached = grammar._load(str(cache))
+    assert cached is not None
+    monkeypatch.setenv("WEIGHTMAP_PARSER_CACHE", "0")
+    built = grammar.parser.__wrapped__()
+    for text in texts:
+        try:
+            want = built.parse(text, start="start")
+        except Exception as exc:  # an invalid program: the cached parser fails the same way
+            with pytest.raises(type(exc)):
+                cached.parse(text, start="start")
+            continue
+        assert cached.parse(text, start="start") == want
+    assert cached.parse("a * (2 + b)", start="expr") == built.parse("a * (2 + b)", start="expr")
