@@ -248,3 +248,34 @@ def test_plan_caches_never_travel_with_replace(tmp_path: Path) -> None:
     assert s.nbytes == 8
     twin = dataclasses.replace(s)
     assert twin == s and hash(twin) == hash(s)
+
+
+def test_known_sizes_are_the_counted_sizes(tmp_path: Path) -> None:
+    """Sizes taken from a header's byte ranges, and carried through renames to the plan's
+    outputs, are what counting dtype x shape gives; a kept size changes no comparison."""
+    import weightmap
+    from weightmap.format.checkpoint import Checkpoint
+    from weightmap.format.dtypes import TensorSpec, nbytes
+    from weightmap.plan.plan import OutputTensor
+
+    tensors = {
+        "a": torch.zeros(3, 5, dtype=torch.bfloat16),
+        "b": torch.zeros(0, 4),
+        "c": torch.zeros((), dtype=torch.int64),
+        "d": torch.zeros(7, dtype=torch.bool),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    with Checkpoint.open(tmp_path) as ckpt:
+        for spec in ckpt.specs():
+            assert spec.nbytes == nbytes(spec.dtype, spec.shape)
+            assert spec == TensorSpec(spec.name, spec.dtype, spec.shape)
+            assert hash(spec) == hash(TensorSpec(spec.name, spec.dtype, spec.shape))
+    text = 'weightmap 1\nrename "{x}" -> "y.{x}" where x != "c"\nkeep "c"\n'
+    plan = weightmap.compile(tmp_path, mapping=text)
+    for out in plan.outputs:
+        fresh = TensorSpec(out.name, out.node.dtype, out.node.shape)
+        assert out.spec == fresh and out.spec.nbytes == nbytes(fresh.dtype, fresh.shape)
+        rebuilt = OutputTensor(name=out.name, node=out.node, origin=out.origin)
+        assert rebuilt == out and rebuilt.spec == out.spec
+    again = type(plan).from_dict(plan.to_dict())
+    assert again.output_specs() == plan.output_specs()

@@ -346,8 +346,9 @@ class _Step:
             if name == spec.name:  # the tensor itself goes on: it keeps its maker
                 origin = item.origin if item.origin is not None else loc
                 ws.put(Item(spec, node, item.order, origin), r)
-            else:
-                ws.put(Item(TensorSpec(name, node.dtype, node.shape), node, item.order, loc), r)
+            else:  # the same bytes under another name: their size is known
+                renamed = TensorSpec.sized(name, node.dtype, node.shape, spec.nbytes)
+                ws.put(Item(renamed, node, item.order, loc), r)
             ws.record(spec.name, loc, name)
         problems.tensor = None
 
@@ -428,7 +429,7 @@ def _finish(
         if policy == "drop":
             gone[item.spec.name] = where
     kept.sort(key=lambda i: (i.order, i.spec.name))
-    outputs = [OutputTensor(name=i.spec.name, node=i.node, origin=i.origin or where) for i in kept]
+    outputs = [OutputTensor.of(i.spec, i.node, i.origin or where) for i in kept]
     used = {s.name for o in outputs for s in o.node.sources()}
     dropped = [
         Dropped(name=s.name, origin=gone.get(s.name, where))

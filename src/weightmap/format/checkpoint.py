@@ -435,9 +435,15 @@ class Checkpoint:
         """Every tensor's name, dtype and shape, in storage order."""
         # Made once: the compiler and the executor both ask, and 100,000 specs take a while.
         if self._specs is None:
+            # A safetensors entry's byte range was checked against its dtype and shape when
+            # the header was read: its size need not be counted again. A strided PyTorch
+            # tensor's range is its storage's, not its size.
+            strided = self._strided
             with gc_paused():
                 self._specs = tuple(
                     TensorSpec(info.name, info.dtype, info.shape)
+                    if info.name in strided
+                    else TensorSpec.sized(info.name, info.dtype, info.shape, info.end - info.begin)
                     for _, info in self._tensors.values()
                 )
         return self._specs

@@ -113,6 +113,17 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
+    @classmethod
+    def sized(cls, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> TensorSpec:
+        """A spec whose byte size the caller already knows to be right (a validated header's
+        data offsets; another spec of the same dtype and shape): kept as :attr:`nbytes`
+        rather than counted again."""
+        # The fields and the size in one step, not through the frozen dataclass's __init__
+        # (one object.__setattr__ per field): one spec is made so per tensor.
+        spec = object.__new__(cls)
+        spec.__dict__.update(name=name, dtype=dtype, shape=shape, _nbytes=nbytes)
+        return spec
+
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""

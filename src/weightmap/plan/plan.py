@@ -33,7 +33,22 @@ class OutputTensor:
     @property
     def spec(self) -> TensorSpec:
         """The output tensor's name, dtype and shape."""
-        return TensorSpec(self.name, self.node.dtype, self.node.shape)
+        # Kept after the first time, outside the fields (as TensorSpec.nbytes): the writer,
+        # the executor and the progress bar all ask.
+        found = self.__dict__.get("_spec")
+        if found is None:
+            found = self.__dict__["_spec"] = TensorSpec(self.name, self.node.dtype, self.node.shape)
+        return found
+
+    @classmethod
+    def of(cls, spec: TensorSpec, node: Node, origin: Loc) -> OutputTensor:
+        """The output ``spec`` computed by ``node``, keeping ``spec`` (with its byte size, if
+        known) as :attr:`spec` instead of making another; ``spec`` is ``node``'s dtype and
+        shape under the output's name, as the compiler's are."""
+        # In one step, as TensorSpec.sized does: one output is made so per tensor.
+        out = object.__new__(cls)
+        out.__dict__.update(name=spec.name, node=node, origin=origin, _spec=spec)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
