@@ -279,3 +279,18 @@ def test_known_sizes_are_the_counted_sizes(tmp_path: Path) -> None:
         assert rebuilt == out and rebuilt.spec == out.spec
     again = type(plan).from_dict(plan.to_dict())
     assert again.output_specs() == plan.output_specs()
+
+
+def test_a_renamed_spec_keeps_a_known_size_and_counts_none() -> None:
+    """``TensorSpec.named``: another name, the same dtype and shape; a size read from a header
+    goes with it, and a size nobody asked for is not counted on the way."""
+    from weightmap.format.dtypes import TensorSpec
+
+    plain = TensorSpec("a", "BF16", (3, 5))
+    renamed = plain.named("b")
+    assert renamed == TensorSpec("b", "BF16", (3, 5))
+    assert "_nbytes" not in renamed.__dict__  # not counted for the rename
+    assert renamed.nbytes == 30 and "_nbytes" not in plain.__dict__
+    known = TensorSpec.sized("a", "BF16", (3, 5), 30).named("c")
+    assert known.__dict__["_nbytes"] == 30 and known == TensorSpec("c", "BF16", (3, 5))
+    assert hash(known) == hash(TensorSpec("c", "BF16", (3, 5)))

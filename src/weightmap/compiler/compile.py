@@ -346,9 +346,8 @@ class _Step:
             if name == spec.name:  # the tensor itself goes on: it keeps its maker
                 origin = item.origin if item.origin is not None else loc
                 ws.put(Item(spec, node, item.order, origin), r)
-            else:  # the same bytes under another name: their size is known
-                renamed = TensorSpec.sized(name, node.dtype, node.shape, spec.nbytes)
-                ws.put(Item(renamed, node, item.order, loc), r)
+            else:  # the same bytes under another name (and size, where it is known)
+                ws.put(Item(spec.named(name), node, item.order, loc), r)
             ws.record(spec.name, loc, name)
         problems.tensor = None
 

@@ -124,6 +124,14 @@ class TensorSpec:
         spec.__dict__.update(name=name, dtype=dtype, shape=shape, _nbytes=nbytes)
         return spec
 
+    def named(self, name: str) -> TensorSpec:
+        """The same dtype and shape under ``name``, keeping the byte size if it is known."""
+        # Copies the instance dict: a size counted (or read from a header) is not counted
+        # again, and one not yet needed is not counted now. One spec is made so per rename.
+        spec = object.__new__(type(self))
+        spec.__dict__.update(self.__dict__, name=name)
+        return spec
+
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
