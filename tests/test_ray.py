@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -301,6 +302,48 @@ def test_ray_missing_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         weightmap.remap(tmp_path, tmp_path / "out", mapping=text, executor="ray")
     with pytest.raises(ValueError, match="unknown executor"):
         weightmap.remap(tmp_path, tmp_path / "out", mapping=text, executor="dask")  # type: ignore[arg-type]
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound and released at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_address_where_nothing_answers_fails_at_once(
+    tmp_path: Path,
+    example: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A mistyped address or a head node not started: one line now, not Ray's minutes of
+    retries; nothing written. `auto` and `local` are left to Ray."""
+    port = _closed_port()
+
+    def no_init(**_kwargs: Any) -> None:
+        raise AssertionError("ray.init was called for an address where nothing answers")
+
+    # As for a driver that has not joined a cluster yet (this module's tests have one).
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_init)
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ExecutionError, match=rf"nothing answers at 127\.0\.0\.1:{port}"):
+            weightmap.remap(example, tmp_path / "out", preset="eagle3-sglang", executor="ray",
+                            ray_address=address)  # fmt: skip
+    args = ["convert", str(example), str(tmp_path / "cli"), "--preset", "eagle3-sglang"]
+    assert cli.main([*args, "--ray-address", f"127.0.0.1:{port}"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ray start --head" in err[0], err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
+    assert leftovers(tmp_path) == []
+
+    def no_socket(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("checked an address that is not a host and a port")
+
+    monkeypatch.setattr(socket, "create_connection", no_socket)
+    for address in ("auto", "local", "ray://head", "[::1]"):
+        cluster_module._answers(address)
 
 
 @pytest.fixture(params=cowfs.KINDS)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -108,11 +109,36 @@ def _entry(body: Callable[..., TaskReport]) -> Callable[[TaskSpec, Any], TaskRep
     return run
 
 
+def _answers(address: str, timeout: float = 5.0) -> None:
+    """Fail at once where nothing answers at a ``host:port`` (or ``ray://host:port``) address.
+
+    Ray itself retries a cluster that is not there for minutes, logging a warning every few
+    seconds; a mistyped address or a head node not started deserves one line now. Addresses
+    that are not a host and a port (``auto``, ``local``) are left to Ray.
+    """
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 literal
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ExecutionError(
+            f"cannot connect to the Ray cluster at {address}: nothing answers at {host}:{port} "
+            f"({why}); start the head node there with `ray start --head`, or pass the address "
+            "it prints"
+        ) from None
+
+
 def _connect(ray: ModuleType, address: str | None) -> bool:
     """Connect to the cluster at ``address`` (None: ``RAY_ADDRESS``, a cluster started on this
     machine, or a new local one); True if this call started the connection."""
     if ray.is_initialized():
         return False
+    if address:
+        _answers(address)
     options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if not (address or "").startswith("ray://"):  # Ray Client takes no local-cluster options
         options["include_dashboard"] = False  # a new local cluster starts faster without it
