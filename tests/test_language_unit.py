@@ -144,3 +144,22 @@ def test_presets_from_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_output_names_from_captures_cannot_escape_validation() -> None:
     with pytest.raises(MappingError, match="is empty"):
         compile_text('rename "{x}.weight" -> "{x}" where x == "zz"\nrename "{x}.weight" -> ""\n')
+
+
+def test_rename_names_from_captures_params_and_braces() -> None:
+    # The rename loop renders "every hole a bare name" templates straight from the captures;
+    # a hole that is no capture (a param) goes through the scope, and a capture of the same
+    # name as a param wins, as everywhere else.
+    inputs = [T("l.3.w", "F32", (2,)), T("l.10.b", "F32", (2,))]
+    text = 'param p = "P"\nparam i = 99\nrename "l.{i:int}.{x}" -> "{{{p}}}.{i}.{x}"\n'
+    plan = compile_text(text, inputs)
+    assert [o.name for o in plan.outputs] == ["{P}.3.w", "{P}.10.b"]
+    plan = compile_text(text, inputs, p="Q")
+    assert [o.name for o in plan.outputs] == ["{Q}.3.w", "{Q}.10.b"]
+    # An expression hole takes the general path and renders the same way.
+    plan = compile_text('rename "l.{i:int}.{x}" -> "{i + 1}.{x}"\n', inputs)
+    assert [o.name for o in plan.outputs] == ["4.w", "11.b"]
+    assert all(
+        o.node == Source(dtype="F32", shape=(2,), name=n.name)
+        for o, n in zip(plan.outputs, inputs, strict=True)
+    )

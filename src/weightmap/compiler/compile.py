@@ -21,7 +21,7 @@ from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
-from weightmap.compiler.ops import Match, build_simple, dtype_known, namer
+from weightmap.compiler.ops import Match, build_simple, dtype_known, tensor_namer
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
@@ -331,13 +331,12 @@ class _Step:
         ``emit``, in one loop, as a rename of every tensor of a 100,000-tensor checkpoint is
         the most common plan there is."""
         ws, r, loc = self.ws, self.r, self.rule.loc
-        render = namer(self.rule.outputs[0]) if self.rule.outputs else None
-        with_tensor = self.scope.with_tensor
+        render = tensor_namer(self.rule.outputs[0], self.scope) if self.rule.outputs else None
         for item, m in taken:
             spec = item.spec
             problems.tensor = spec.name  # a problem now is about this tensor
             try:
-                name = spec.name if render is None else render(with_tensor(spec, m.caps))
+                name = spec.name if render is None else render(spec, m.caps)
             except LocatedProblem as p:  # the output name's template
                 self.report(p.loc, p.message)
                 ws.record(spec.name, loc, "")

@@ -13,7 +13,12 @@ from typing import Any, NamedTuple
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_expr, compile_template, resolve_dtype
+from weightmap.language.expr import (
+    capture_format,
+    compile_expr,
+    compile_template,
+    resolve_dtype,
+)
 from weightmap.language.values import EvalError, Scope, brief
 from weightmap.plan.nodes import Cast, Node, Permute, Reshape, Slice
 
@@ -29,6 +34,7 @@ __all__ = [
     "evaluate",
     "namer",
     "output_name",
+    "tensor_namer",
 ]
 
 # Floating types torch converts between (round to nearest even); integer widths likewise.
@@ -169,6 +175,35 @@ def namer(t: A.Template) -> Callable[[Scope], str]:
     if hit is None or hit[0] is not t:
         hit = _TEMPLATES[id(t)] = (t, compile_template(t))
     return hit[1]
+
+
+def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str, Any]], str]:
+    """The template rendered for a tensor and its captures in ``scope``.
+
+    Where every hole is a bare name (``"layers.{i}.{rest}"``), straight from the captures,
+    with no scope made per tensor: a rename of every tensor of a 100,000-tensor checkpoint
+    is the most common plan there is. Otherwise, and for a hole that is no capture (a param),
+    through ``scope.with_tensor``, as ``namer`` renders it.
+    """
+    render = namer(t)
+    holes = capture_format(t)
+    if holes is None or scope.local:
+
+        def through_scope(spec: TensorSpec, caps: dict[str, Any]) -> str:
+            return render(scope.with_tensor(spec, caps))
+
+        return through_scope
+    fmt, names = holes
+
+    def direct(spec: TensorSpec, caps: dict[str, Any]) -> str:
+        try:
+            values = [caps[n] for n in names]
+        except KeyError:
+            return render(scope.with_tensor(spec, caps))
+        # Captures are str or int, which print the same through format() as through show().
+        return fmt.format(*values)
+
+    return direct
 
 
 def output_name(rule: A.Rule, s: Scope) -> str:

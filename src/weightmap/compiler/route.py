@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from weightmap.compiler.ops import Match
 from weightmap.compiler.pattern import Alternative, Filter, Matcher, compile_pattern
@@ -98,13 +98,9 @@ def _filter(r: int, rule: A.Rule, scope: Scope) -> Filter | None:
     return accept
 
 
-class _Taken(NamedTuple):
-    """Who took a name from the working set, and what it became (for 'matches nothing').
-
-    A tuple: one is made per tensor and rule that takes it."""
-
-    rule: A.Loc
-    became: str
+# Who took a name from the working set (the rule's location) and what it became ("" for
+# nothing), for 'matches nothing': a plain tuple, as one is made per tensor and rule.
+_Taken = tuple[A.Loc, str]
 
 
 @dataclass
@@ -128,7 +124,7 @@ class WorkingSet:
         for i, spec in enumerate(inputs):
             if spec.name in alive:
                 continue  # duplicate input names are reported by the compiler
-            item = Item(spec, Source(dtype=spec.dtype, shape=spec.shape, name=spec.name), i)
+            item = Item(spec, Source.of(spec.name, spec.dtype, spec.shape), i)
             alive[spec.name] = item
             place(item, 0)
 
@@ -173,7 +169,7 @@ class WorkingSet:
 
     def record(self, name: str, rule: A.Loc, became: str) -> None:
         """Remember that ``rule`` took ``name`` and made ``became`` of it ("" for nothing)."""
-        self.taken[name] = _Taken(rule, became)
+        self.taken[name] = (rule, became)
 
     def put(self, item: Item, r: int) -> None:
         """Add rule ``r``'s output; it continues to the rules below ``r``."""
@@ -195,9 +191,9 @@ class WorkingSet:
             names = [n for n in self.taken if rx.fullmatch(n)][:1]
         if not names:
             return None
-        t = self.taken[names[0]]
-        what = "dropped it" if not t.became else f"made it `{t.became}`"
-        return f"`{names[0]}` was taken by the rule at {t.rule}, which {what}"
+        rule, became = self.taken[names[0]]
+        what = "dropped it" if not became else f"made it `{became}`"
+        return f"`{names[0]}` was taken by the rule at {rule}, which {what}"
 
 
 def _collision(item: Item, other: Item) -> str:

@@ -77,7 +77,13 @@ class ExecutionStats:
 def check_inputs(plan: Plan, ckpt: Checkpoint) -> None:
     """Refuse to run a plan against a checkpoint that differs from the one it was compiled for."""
     current = {s.name: s for s in ckpt.specs()}
-    changed = [spec.name for spec in plan.inputs if current.get(spec.name) != spec]
+    # A plan compiled from this very checkpoint holds its specs themselves: `is` settles
+    # those without comparing fields (100,000 tensors and more).
+    changed = [
+        spec.name
+        for spec in plan.inputs
+        if (now := current.get(spec.name)) is not spec and now != spec
+    ]
     if changed:
         raise ExecutionError(
             f"{ckpt.root}: the checkpoint differs from the one the plan was compiled for "

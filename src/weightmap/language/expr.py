@@ -30,6 +30,7 @@ from weightmap.language.values import (
 
 __all__ = [
     "DTYPE_ALIASES",
+    "capture_format",
     "closest",
     "compile_expr",
     "compile_template",
@@ -279,6 +280,18 @@ def render(t: A.Template, scope: Scope) -> str:
     return "".join(out)
 
 
+def capture_format(t: A.Template) -> tuple[str, tuple[str, ...]] | None:
+    """``(format string, hole names)`` of a template whose every hole is a bare name, else
+    None: ``fmt.format(*values)`` renders it where each name is a capture."""
+    names = tuple(p.id for p in t.parts if isinstance(p, A.Name))
+    if len(names) != sum(not isinstance(p, str) for p in t.parts):
+        return None
+    fmt = "".join(
+        p.replace("{", "{{").replace("}", "}}") if isinstance(p, str) else "{}" for p in t.parts
+    )
+    return fmt, names
+
+
 def compile_template(t: A.Template) -> Callable[[Scope], str]:
     """A fast renderer for output names (compiled once per rule, run once per tensor)."""
     fns: list[Callable[[Scope], Any]] = []
@@ -293,13 +306,10 @@ def compile_template(t: A.Template) -> Callable[[Scope], str]:
     def run(s: Scope) -> str:
         return "".join(v if isinstance(v := f(s), str) else show(v) for f in fns)
 
-    names = [p.id for p in t.parts if isinstance(p, A.Name)]
-    if len(names) != sum(not isinstance(p, str) for p in t.parts):
+    holes = capture_format(t)
+    if holes is None:
         return run
-    # Every hole is a bare name: one str.format call when they are all string/int captures.
-    fmt = "".join(
-        p.replace("{", "{{").replace("}", "}}") if isinstance(p, str) else "{}" for p in t.parts
-    )
+    fmt, names = holes
 
     def fast(s: Scope) -> str:
         caps = s.captures

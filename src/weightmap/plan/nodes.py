@@ -60,6 +60,15 @@ class Source(Node):
 
     name: str
 
+    @classmethod
+    def of(cls, name: str, dtype: str, shape: tuple[int, ...]) -> Source:
+        """``Source(dtype=dtype, shape=shape, name=name)``, made in one step rather than
+        through the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field):
+        one is made per input tensor of every compile."""
+        node = object.__new__(cls)
+        node.__dict__.update(dtype=dtype, shape=shape, name=name)
+        return node
+
     def sources(self) -> tuple[Source, ...]:
         return (self,)
 
