@@ -163,3 +163,20 @@ def test_rename_names_from_captures_params_and_braces() -> None:
         o.node == Source(dtype="F32", shape=(2,), name=n.name)
         for o, n in zip(plan.outputs, inputs, strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    ("pattern", "template", "expected"),
+    [
+        ('"l.3.w"', '"x"', "x"),
+        ('"l.{i:int}.w"', '"{i}"', "3"),
+        ('"l.{i:int}.{x}"', '"{x}.{i}"', "w.3"),
+        ('"{a}.{i:int}.{x}"', '"{x}.{i}.{a}"', "w.3.l"),
+        ('"{a}.{i:int}.{x}"', '"{i * 2}"', "6"),
+    ],
+)
+def test_captures_of_every_count_reach_the_name(pattern: str, template: str, expected: str) -> None:
+    # Routing reads none, one and two captures without a loop and more with one: each way
+    # gives the same names and types ({i:int} is an int: `i * 2` is 6).
+    plan = compile_text(f"rename {pattern} -> {template}\n", [T("l.3.w", "F32", (2,))])
+    assert [o.name for o in plan.outputs] == [expected]

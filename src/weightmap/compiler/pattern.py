@@ -53,6 +53,41 @@ def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, 
     return "".join(out), caps
 
 
+def _captures(
+    caps: list[tuple[str, A.CaptureKind]], numbers: tuple[int, ...]
+) -> Callable[[re.Match[str]], dict[str, Any]]:
+    """The captures of a match of the combined regex, read from the groups ``numbers``
+    (``{n:int}`` ones as ints): the hot path of routing, once per tensor, so the common
+    counts of captures (none, one, two) are read without a loop."""
+    names = [n for n, _k in caps]
+    ints = [kind == "int" for _n, kind in caps]
+    if not caps:
+        return lambda m: {}
+    if len(caps) == 1:
+        (n0,), (g0,), (i0,) = names, numbers, ints
+
+        def one(m: re.Match[str]) -> dict[str, Any]:
+            v = m.group(g0)
+            return {n0: int(v) if i0 else v}
+
+        return one
+    if len(caps) == 2:
+        (n0, n1), (g0, g1), (i0, i1) = names, numbers, ints
+
+        def two(m: re.Match[str]) -> dict[str, Any]:
+            a, b = m.group(g0, g1)
+            return {n0: int(a) if i0 else a, n1: int(b) if i1 else b}
+
+        return two
+
+    def many(m: re.Match[str]) -> dict[str, Any]:
+        return {
+            n: int(v) if i else v for n, v, i in zip(names, m.group(*numbers), ints, strict=True)
+        }
+
+    return many
+
+
 def compile_pattern(p: A.Pattern) -> re.Pattern[str]:
     """One pattern as a compiled regex (use with ``fullmatch``)."""
     return _single(p)
@@ -87,7 +122,7 @@ class Matcher:
         self.owners = [(a.rule, a.pattern_index) for a in self.alternatives]
         sources, self._groups, self._singles = [], [], []
         self._outer: dict[int, int] = {}
-        self._fast: list[tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = []
+        self._fast: list[Callable[[re.Match[str]], dict[str, Any]]] = []
         group_count = 0
         for k, alt in enumerate(self.alternatives):
             body, caps = pattern_regex(alt.pattern, prefix=f"_{k}_")
@@ -95,10 +130,8 @@ class Matcher:
             self._outer[group_count + 1] = k
             group_count += 1 + len(caps)
             self._groups.append([(name, f"_{k}_{name}", kind == "int") for name, kind in caps])
-            # Group numbers for one m.group(*numbers) call: the hot path of routing.
             numbers = tuple(range(group_count - len(caps) + 1, group_count + 1))
-            ints = tuple(i for i, (_n, kind) in enumerate(caps) if kind == "int")
-            self._fast.append((tuple(n for n, _k in caps), numbers, ints))
+            self._fast.append(_captures(caps, numbers))
             self._singles.append(_single(alt.pattern))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
 
@@ -112,17 +145,7 @@ class Matcher:
         if m is None:
             return None
         k = self._outer[m.lastindex or 0]
-        names, numbers, ints = self._fast[k]
-        if not names:
-            caps: dict[str, Any] = {}
-        elif len(numbers) == 1:
-            value = m.group(numbers[0])
-            caps = {names[0]: int(value) if ints else value}
-        else:
-            values = list(m.group(*numbers))
-            for i in ints:
-                values[i] = int(values[i])
-            caps = dict(zip(names, values, strict=True))
+        caps = self._fast[k](m)
         accept = self.alternatives[k].accept
         if accept is None or accept(spec, caps):
             return k, caps

@@ -120,13 +120,28 @@ class WorkingSet:
 
     def start(self, inputs: Sequence[TensorSpec]) -> None:
         """Put the inputs in the set, each on its way to the first rule that takes it."""
-        alive, place = self.alive, self._place
+        # What _place does for each input, with the matcher and the lists looked up once:
+        # this loop runs once per tensor of the checkpoint. (With no rules, the matcher
+        # matches nothing and every input goes to the end.)
+        alive, final, buckets = self.alive, self.final, self.buckets
+        matcher = self.router.matcher(0)
+        match, owners = matcher.match, matcher.owners
         for i, spec in enumerate(inputs):
-            if spec.name in alive:
+            name = spec.name
+            if name in alive:
                 continue  # duplicate input names are reported by the compiler
-            item = Item(spec, Source.of(spec.name, spec.dtype, spec.shape), i)
-            alive[spec.name] = item
-            place(item, 0)
+            node = Source.of(name, spec.dtype, spec.shape)
+            item = alive[name] = Item(spec, node, i)
+            try:
+                hit = match(spec)
+            except _FilterError as err:
+                self._filter_failed(item, err)
+                continue
+            if hit is None:
+                final.append(item)
+            else:
+                rule, pattern_index = owners[hit[0]]
+                buckets[rule].append((item, Match(spec, node, hit[1], pattern_index)))
 
     def _place(self, item: Item, start: int) -> None:
         """Send ``item`` to the first rule from ``start`` that takes it, or to the end."""
@@ -138,12 +153,7 @@ class WorkingSet:
         try:
             hit = matcher.match(spec)
         except _FilterError as err:
-            if err.rule not in self.failed_filters:
-                self.failed_filters.add(err.rule)
-                self.report(err.loc, f"{err.message} (while matching `{spec.name}`)")
-            # The compile fails on that problem; listing the tensor as unmatched too would
-            # only be noise.
-            item.touched = True
+            self._filter_failed(item, err)
             return
         if hit is None:
             self.final.append(item)
@@ -151,6 +161,14 @@ class WorkingSet:
         k, caps = hit
         rule, pattern_index = matcher.owners[k]
         self.buckets[rule].append((item, Match(spec, item.node, caps, pattern_index)))
+
+    def _filter_failed(self, item: Item, err: _FilterError) -> None:
+        if err.rule not in self.failed_filters:
+            self.failed_filters.add(err.rule)
+            self.report(err.loc, f"{err.message} (while matching `{item.spec.name}`)")
+        # The compile fails on that problem; listing the tensor as unmatched too would only be
+        # noise.
+        item.touched = True
 
     def take(self, r: int) -> list[tuple[Item, Match]]:
         """Rule ``r``'s matches, removed from the set."""
@@ -179,7 +197,10 @@ class WorkingSet:
             self.report(item.origin or self.router.rules[r].loc, _collision(item, other))
             return
         self.alive[item.spec.name] = item
-        self._place(item, r + 1)
+        if r + 1 < len(self.buckets):
+            self._place(item, r + 1)
+        else:  # the last rule's outputs (a one-rule rename: every tensor) go to the end
+            self.final.append(item)
 
     def explain_nothing(self, pattern: A.Pattern) -> str | None:
         """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
