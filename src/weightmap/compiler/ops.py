@@ -14,7 +14,7 @@ from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language import ast as A
 from weightmap.language.expr import (
-    capture_format,
+    capture_namer,
     compile_expr,
     compile_template,
     resolve_dtype,
@@ -186,24 +186,19 @@ def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str,
     through ``scope.with_tensor``, as ``namer`` renders it.
     """
     render = namer(t)
-    holes = capture_format(t)
-    if holes is None or scope.local:
+    direct = capture_namer(t)
+    if direct is None or scope.local:
 
         def through_scope(spec: TensorSpec, caps: dict[str, Any]) -> str:
             return render(scope.with_tensor(spec, caps))
 
         return through_scope
-    fmt, names = holes
 
-    def direct(spec: TensorSpec, caps: dict[str, Any]) -> str:
-        try:
-            values = [caps[n] for n in names]
-        except KeyError:
-            return render(scope.with_tensor(spec, caps))
-        # Captures are str or int, which print the same through format() as through show().
-        return fmt.format(*values)
+    def from_captures(spec: TensorSpec, caps: dict[str, Any]) -> str:
+        name = direct(caps)
+        return render(scope.with_tensor(spec, caps)) if name is None else name
 
-    return direct
+    return from_captures
 
 
 def output_name(rule: A.Rule, s: Scope) -> str:

@@ -197,10 +197,7 @@ class WorkingSet:
             self.report(item.origin or self.router.rules[r].loc, _collision(item, other))
             return
         self.alive[item.spec.name] = item
-        if r + 1 < len(self.buckets):
-            self._place(item, r + 1)
-        else:  # the last rule's outputs (a one-rule rename: every tensor) go to the end
-            self.final.append(item)
+        self._place(item, r + 1)
 
     def explain_nothing(self, pattern: A.Pattern) -> str | None:
         """Why a pattern matched nothing, if an earlier rule took a tensor it names."""

@@ -30,7 +30,7 @@ from weightmap.language.values import (
 
 __all__ = [
     "DTYPE_ALIASES",
-    "capture_format",
+    "capture_namer",
     "closest",
     "compile_expr",
     "compile_template",
@@ -280,16 +280,27 @@ def render(t: A.Template, scope: Scope) -> str:
     return "".join(out)
 
 
-def capture_format(t: A.Template) -> tuple[str, tuple[str, ...]] | None:
-    """``(format string, hole names)`` of a template whose every hole is a bare name, else
-    None: ``fmt.format(*values)`` renders it where each name is a capture."""
+def capture_namer(t: A.Template) -> Callable[[dict[str, Any]], str | None] | None:
+    """A renderer of the template from captures alone, where every hole is a bare name, else
+    None; it answers None for captures that lack a hole's name (a param, say), which then
+    needs a scope. Output names are rendered once per tensor: this is the common template."""
     names = tuple(p.id for p in t.parts if isinstance(p, A.Name))
     if len(names) != sum(not isinstance(p, str) for p in t.parts):
         return None
     fmt = "".join(
         p.replace("{", "{{").replace("}", "}}") if isinstance(p, str) else "{}" for p in t.parts
     )
-    return fmt, names
+
+    def from_captures(caps: dict[str, Any]) -> str | None:
+        try:
+            values = [caps[n] for n in names]
+        except KeyError:
+            return None
+        # Captures are only ever str (segments, alternatives) or int ({n:int}, unstack index),
+        # and both print the same through format() as through show().
+        return fmt.format(*values)
+
+    return from_captures
 
 
 def compile_template(t: A.Template) -> Callable[[Scope], str]:
@@ -306,22 +317,15 @@ def compile_template(t: A.Template) -> Callable[[Scope], str]:
     def run(s: Scope) -> str:
         return "".join(v if isinstance(v := f(s), str) else show(v) for f in fns)
 
-    holes = capture_format(t)
-    if holes is None:
+    direct = capture_namer(t)
+    if direct is None:
         return run
-    fmt, names = holes
 
     def fast(s: Scope) -> str:
-        caps = s.captures
         if s.local:
             return run(s)
-        try:
-            values = [caps[n] for n in names]
-        except KeyError:
-            return run(s)
-        # Captures are only ever str (segments, alternatives) or int ({n:int}, unstack index),
-        # and both print the same through format() as through show().
-        return fmt.format(*values)
+        name = direct(s.captures)
+        return run(s) if name is None else name
 
     return fast
 
