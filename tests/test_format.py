@@ -289,8 +289,36 @@ def test_a_renamed_spec_keeps_a_known_size_and_counts_none() -> None:
     plain = TensorSpec("a", "BF16", (3, 5))
     renamed = plain.named("b")
     assert renamed == TensorSpec("b", "BF16", (3, 5))
-    assert "_nbytes" not in renamed.__dict__  # not counted for the rename
-    assert renamed.nbytes == 30 and "_nbytes" not in plain.__dict__
+    assert renamed._nbytes is None  # not counted for the rename
+    assert renamed.nbytes == 30 and plain._nbytes is None
+    assert renamed._nbytes == 30  # counted once, then kept
     known = TensorSpec.sized("a", "BF16", (3, 5), 30).named("c")
-    assert known.__dict__["_nbytes"] == 30 and known == TensorSpec("c", "BF16", (3, 5))
+    assert known._nbytes == 30 and known == TensorSpec("c", "BF16", (3, 5))
+    assert repr(known) == "TensorSpec(name='c', dtype='BF16', shape=(3, 5))"
     assert hash(known) == hash(TensorSpec("c", "BF16", (3, 5)))
+
+
+def test_slotted_value_types_stay_frozen_and_travel_whole() -> None:
+    """Specs, source nodes and outputs are filled through their slots' setters
+    (format/slots.py): they must still refuse assignment, compare on their fields alone, and
+    pickle (Ray ships plans to its tasks) with the size or spec they keep."""
+    import dataclasses
+    import pickle
+
+    from weightmap.format.dtypes import TensorSpec
+    from weightmap.language.ast import Loc
+    from weightmap.plan.nodes import Source
+    from weightmap.plan.plan import OutputTensor
+
+    spec = TensorSpec.sized("w", "F32", (2, 3), 24)
+    node = Source.of("w", "F32", (2, 3))
+    out = OutputTensor.of(spec.named("v"), node, Loc("m", 1, 1))
+    assert node == Source(dtype="F32", shape=(2, 3), name="w")
+    assert out == OutputTensor(name="v", node=node, origin=Loc("m", 1, 1))
+    assert out.spec._nbytes == 24  # the spec it was made with, size and all
+    for value in (spec, node, out):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.name = "x"  # type: ignore[misc]
+        back = pickle.loads(pickle.dumps(value))
+        assert back == value and hash(back) == hash(value)
+    assert pickle.loads(pickle.dumps(out)).spec.nbytes == 24

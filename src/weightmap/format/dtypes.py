@@ -6,8 +6,10 @@ and shapes. ``torch_dtype`` resolves a dtype lazily for the stages that touch da
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
+
+from weightmap.format.slots import slot_setter
 
 if TYPE_CHECKING:
     import torch
@@ -105,40 +107,57 @@ def nbytes(dtype_name: str, shape: tuple[int, ...]) -> int:
     return bits // 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A tensor's name, dtype (safetensors name) and shape: all a plan needs to know of it."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    # The byte size once counted (or read from a header): kept outside equality, hashing and
+    # repr, which see the three fields above only.
+    _nbytes: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def sized(cls, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> TensorSpec:
         """A spec whose byte size the caller already knows to be right (a validated header's
         data offsets; another spec of the same dtype and shape): kept as :attr:`nbytes`
         rather than counted again."""
-        # The fields and the size in one step, not through the frozen dataclass's __init__
-        # (one object.__setattr__ per field): one spec is made so per tensor.
-        spec = object.__new__(cls)
-        spec.__dict__.update(name=name, dtype=dtype, shape=shape, _nbytes=nbytes)
+        # The slots filled directly, not through the frozen dataclass's __init__ (one
+        # object.__setattr__ per field): one spec is made so per tensor.
+        spec = _new(cls)
+        _set_name(spec, name)
+        _set_dtype(spec, dtype)
+        _set_shape(spec, shape)
+        _set_nbytes(spec, nbytes)
         return spec
 
     def named(self, name: str) -> TensorSpec:
         """The same dtype and shape under ``name``, keeping the byte size if it is known."""
-        # Copies the instance dict: a size counted (or read from a header) is not counted
-        # again, and one not yet needed is not counted now. One spec is made so per rename.
-        spec = object.__new__(type(self))
-        spec.__dict__.update(self.__dict__, name=name)
+        # A size counted (or read from a header) is not counted again, and one not yet needed
+        # is not counted now. One spec is made so per rename.
+        spec = _new(TensorSpec)
+        _set_name(spec, name)
+        _set_dtype(spec, self.dtype)
+        _set_shape(spec, self.shape)
+        _set_nbytes(spec, self._nbytes)
         return spec
 
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
         # Asked for several times per tensor (writer, executor, progress): kept after the
-        # first time, in the instance's own dict (outside the dataclass fields, so equality
-        # and hashing never see it).
-        found = self.__dict__.get("_nbytes")
+        # first time.
+        found = self._nbytes
         if found is None:
-            found = self.__dict__["_nbytes"] = nbytes(self.dtype, self.shape)
+            found = nbytes(self.dtype, self.shape)
+            _set_nbytes(self, found)
         return found
+
+
+# The slots' own setters, for the constructors above (format/slots.py).
+_new = object.__new__
+_set_name = slot_setter(TensorSpec, "name")
+_set_dtype = slot_setter(TensorSpec, "dtype")
+_set_shape = slot_setter(TensorSpec, "shape")
+_set_nbytes = slot_setter(TensorSpec, "_nbytes")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightmap.format.dtypes import DTYPES
+from weightmap.format.slots import slot_setter
 
 __all__ = [
     "Arith",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Node:
     """An operation's result: its safetensors dtype and shape."""
 
@@ -54,7 +55,7 @@ class Node:
         raise NotImplementedError
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Source(Node):
     """An input tensor, read whole."""
 
@@ -62,11 +63,13 @@ class Source(Node):
 
     @classmethod
     def of(cls, name: str, dtype: str, shape: tuple[int, ...]) -> Source:
-        """``Source(dtype=dtype, shape=shape, name=name)``, made in one step rather than
-        through the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field):
-        one is made per input tensor of every compile."""
-        node = object.__new__(cls)
-        node.__dict__.update(dtype=dtype, shape=shape, name=name)
+        """``Source(dtype=dtype, shape=shape, name=name)``, its slots filled directly rather
+        than through the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
+        field): one is made per input tensor of every compile."""
+        node = _new(cls)
+        _set_dtype(node, dtype)
+        _set_shape(node, shape)
+        _set_name(node, name)
         return node
 
     def sources(self) -> tuple[Source, ...]:
@@ -76,7 +79,14 @@ class Source(Node):
         return self.name
 
 
-@dataclass(frozen=True, kw_only=True)
+# The slots' own setters, for Source.of (format/slots.py).
+_new = object.__new__
+_set_dtype = slot_setter(Node, "dtype")
+_set_shape = slot_setter(Node, "shape")
+_set_name = slot_setter(Source, "name")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Slice(Node):
     """``src`` narrowed to ``start:stop`` along ``dim`` (split, chunk, unstack)."""
 
@@ -92,7 +102,7 @@ class Slice(Node):
         return f"slice({self.src.describe()}, dim={self.dim}, {self.start}:{self.stop})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Concat(Node):
     """``srcs`` joined along an existing ``dim`` (merge)."""
 
@@ -106,7 +116,7 @@ class Concat(Node):
         return f"concat({', '.join(s.describe() for s in self.srcs)}, dim={self.dim})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Stack(Node):
     """``srcs`` (all the same shape) stacked along a new ``dim``."""
 
@@ -124,7 +134,7 @@ class Stack(Node):
         return f"stack({inner}, dim={self.dim})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Permute(Node):
     """Axes of ``src`` reordered: result axis i is source axis ``perm[i]`` (transpose, permute)."""
 
@@ -138,7 +148,7 @@ class Permute(Node):
         return f"permute({self.src.describe()}, {list(self.perm)})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Reshape(Node):
     """``src`` in row-major order viewed with the node's ``shape`` (same element count)."""
 
@@ -151,7 +161,7 @@ class Reshape(Node):
         return f"reshape({self.src.describe()}, {list(self.shape)})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Cast(Node):
     """``src`` converted to the node's ``dtype``.
 
@@ -174,7 +184,7 @@ class Cast(Node):
         return f"cast({self.src.describe()}, {self.dtype})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Arith(Node):
     """``src`` plus or times a constant (add, mul).
 
@@ -194,7 +204,7 @@ class Arith(Node):
         return f"{self.op}({self.src.describe()}, {self.value}, in {self.compute})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Binary(Node):
     """``a`` plus or times ``b``, elementwise; ``b`` is broadcast over blocks of ``a``.
 
@@ -219,7 +229,7 @@ class Binary(Node):
         return f"{self.op}({self.a.describe()}, {self.b.describe()}{block}, in {self.compute})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Quantize(Node):
     """Block-scaled float8 quantization of ``src`` over blocks of its last two dims.
 
@@ -241,7 +251,7 @@ class Quantize(Node):
         return f"quantize_{self.part}({self.src.describe()}, {self.fp8}, block {list(self.block)})"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Mask(Node):
     """A boolean vector of length ``size``, true at the positions ``src`` holds.
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.gcpause import gc_paused
+from weightmap.format.slots import slot_setter
 from weightmap.language.ast import Loc
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
@@ -22,22 +23,25 @@ __all__ = ["PLAN_FORMAT", "Dropped", "OutputTensor", "Plan", "SideFile"]
 PLAN_FORMAT = 1
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OutputTensor:
     """One tensor of the output checkpoint and the rule (``origin``) that produced it."""
 
     name: str
     node: Node
     origin: Loc
+    # The output's spec once made: kept outside equality, hashing and repr.
+    _spec: TensorSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def spec(self) -> TensorSpec:
         """The output tensor's name, dtype and shape."""
-        # Kept after the first time, outside the fields (as TensorSpec.nbytes): the writer,
-        # the executor and the progress bar all ask.
-        found = self.__dict__.get("_spec")
+        # Kept after the first time (as TensorSpec.nbytes): the writer, the executor and the
+        # progress bar all ask.
+        found = self._spec
         if found is None:
-            found = self.__dict__["_spec"] = TensorSpec(self.name, self.node.dtype, self.node.shape)
+            found = TensorSpec(self.name, self.node.dtype, self.node.shape)
+            _set_spec(self, found)
         return found
 
     @classmethod
@@ -45,10 +49,22 @@ class OutputTensor:
         """The output ``spec`` computed by ``node``, keeping ``spec`` (with its byte size, if
         known) as :attr:`spec` instead of making another; ``spec`` is ``node``'s dtype and
         shape under the output's name, as the compiler's are."""
-        # In one step, as TensorSpec.sized does: one output is made so per tensor.
-        out = object.__new__(cls)
-        out.__dict__.update(name=spec.name, node=node, origin=origin, _spec=spec)
+        # The slots filled directly, as TensorSpec.sized does: one output is made so per
+        # tensor.
+        out = _new(cls)
+        _set_name(out, spec.name)
+        _set_node(out, node)
+        _set_origin(out, origin)
+        _set_spec(out, spec)
         return out
+
+
+# The slots' own setters, for OutputTensor.of (format/slots.py).
+_new = object.__new__
+_set_name = slot_setter(OutputTensor, "name")
+_set_node = slot_setter(OutputTensor, "node")
+_set_origin = slot_setter(OutputTensor, "origin")
+_set_spec = slot_setter(OutputTensor, "_spec")
 
 
 @dataclass(frozen=True, kw_only=True)
