@@ -103,14 +103,18 @@ def _header_text(
         )
     offsets: dict[str, tuple[int, int]] = {}
     position = 0
+    # The text between a name and its offsets, by dtype and shape: the layers and experts of
+    # a model repeat a few shapes many times over.
+    middles: dict[tuple[str, tuple[int, ...]], str] = {}
     for spec in order:
         end = position + sizes[spec.name]
         offsets[spec.name] = (position, end)
-        shape = ",".join(map(str, spec.shape))
-        parts.append(
-            f'{encode_basestring(spec.name)}:{{"dtype":"{spec.dtype}",'
-            f'"shape":[{shape}],"data_offsets":[{position},{end}]}}'
-        )
+        key = (spec.dtype, spec.shape)
+        middle = middles.get(key)
+        if middle is None:
+            shape = ",".join(map(str, spec.shape))
+            middle = middles[key] = f':{{"dtype":"{spec.dtype}","shape":[{shape}],"data_offsets":['
+        parts.append(f"{encode_basestring(spec.name)}{middle}{position},{end}]}}")
         position = end
     return ("{" + ",".join(parts) + "}").encode("utf-8"), offsets
 
@@ -313,6 +317,10 @@ def _alignment(dtype: str) -> int:
     return min(8, bits // 8) if bits % 8 == 0 else 1
 
 
+# By dtype name: looked up once per tensor of every shard laid out.
+_ALIGNMENT = {name: _alignment(name) for name in DTYPES}
+
+
 def _clone_shard(
     group: Sequence[TensorSpec],
     sizes: Mapping[str, int],
@@ -355,7 +363,7 @@ def _aligned(order: Sequence[TensorSpec], sizes: Mapping[str, int]) -> bool:
     multiple of their natural alignment, as in the reference layout."""
     position = 0
     for spec in order:
-        if position % _alignment(spec.dtype):
+        if position % _ALIGNMENT[spec.dtype]:
             return False
         position += sizes[spec.name]
     return True
