@@ -32,6 +32,8 @@ from weightmap.plan.nodes import Node, Source
 
 __all__ = ["Item", "Router", "WorkingSet"]
 
+_make_tuple = tuple.__new__
+
 Report = Callable[[A.Loc, str], None]
 
 
@@ -141,7 +143,9 @@ class WorkingSet:
                 final.append(item)
             else:
                 rule, pattern_index = owners[hit[0]]
-                buckets[rule].append((item, Match(spec, node, hit[1], pattern_index)))
+                # (tuple.__new__: Match's own __new__ is Python code; this runs per tensor.)
+                m = _make_tuple(Match, (spec, node, hit[1], pattern_index))
+                buckets[rule].append((item, m))
 
     def _place(self, item: Item, start: int) -> None:
         """Send ``item`` to the first rule from ``start`` that takes it, or to the end."""

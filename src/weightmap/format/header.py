@@ -30,6 +30,7 @@ MAX_HEADER_SIZE = 100_000_000
 # JSON nesting a valid header needs is 3 (object -> entry -> list); anything deeper is hostile.
 _MAX_DEPTH = 8
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+_make_tuple = tuple.__new__
 
 
 class TensorInfo(NamedTuple):
@@ -216,7 +217,8 @@ def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
     bits = count * dt.bits
     if bits > U64_MAX or bits % 8 or end - begin != bits // 8:
         return None
-    return TensorInfo(name, dtype_name, tuple(shape), begin, end)
+    # tuple.__new__: the named tuple's own __new__ is Python code, and this runs per tensor.
+    return _make_tuple(TensorInfo, (name, dtype_name, tuple(shape), begin, end))
 
 
 def _plain_header(
