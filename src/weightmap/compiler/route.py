@@ -25,14 +25,13 @@ from weightmap.compiler.ops import Match
 from weightmap.compiler.pattern import Alternative, Filter, Matcher, compile_pattern
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import TensorSpec
+from weightmap.format.slots import make_tuple
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, resolve_dtype
 from weightmap.language.values import EvalError, Scope, truth
 from weightmap.plan.nodes import Node, Source
 
 __all__ = ["Item", "Router", "WorkingSet"]
-
-_make_tuple = tuple.__new__
 
 Report = Callable[[A.Loc, str], None]
 
@@ -143,8 +142,8 @@ class WorkingSet:
                 final.append(item)
             else:
                 rule, pattern_index = owners[hit[0]]
-                # (tuple.__new__: Match's own __new__ is Python code; this runs per tensor.)
-                m = _make_tuple(Match, (spec, node, hit[1], pattern_index))
+                # (make_tuple: Match's own __new__ is Python code; this runs per tensor.)
+                m = make_tuple(Match, (spec, node, hit[1], pattern_index))
                 buckets[rule].append((item, m))
 
     def _place(self, item: Item, start: int) -> None:

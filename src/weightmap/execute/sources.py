@@ -17,6 +17,7 @@ from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
 from weightmap.format.gcpause import gc_paused
 from weightmap.format.layout import Extent, Layouts, Origin
+from weightmap.format.slots import make_tuple
 from weightmap.format.writer import CheckpointWriter
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import OutputTensor, Plan
@@ -26,9 +27,6 @@ __all__ = ["Sources", "plan_writer"]
 # Below this average size, many small kernel copies cost more than computing the tensor.
 _MIN_SEGMENT = 64 * 1024
 _FEW_SEGMENTS = 64
-# A named tuple made from its fields in one C call: a named tuple's own __new__ is Python code,
-# the larger part of a rename's planning here (one Segment, Extent and Origin per tensor).
-_make_tuple = tuple.__new__
 
 
 def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
@@ -80,10 +78,10 @@ def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
         if type(node) is Source and node.name not in strided:
             _, begin, end = where[node.name]
             file = numbers[node.name]
-            # The named tuples made straight from their fields (_make_tuple, below).
-            copied[out.name] = [_make_tuple(Segment, (node.name, 0, end - begin))]
-            extent = _make_tuple(Extent, (file, begin, end - begin))
-            origins[out.name] = _make_tuple(Origin, ((file, begin), (extent,)))
+            # The named tuples made straight from their fields (format/slots.py).
+            copied[out.name] = [make_tuple(Segment, (node.name, 0, end - begin))]
+            extent = make_tuple(Extent, (file, begin, end - begin))
+            origins[out.name] = make_tuple(Origin, ((file, begin), (extent,)))
             continue
         segments = _copied(out, ckpt)
         if segments is not None:

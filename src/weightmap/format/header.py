@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
+from weightmap.format.slots import make_tuple
 from weightmap.format.text import is_utf8, nesting_exceeds
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
@@ -30,7 +31,6 @@ MAX_HEADER_SIZE = 100_000_000
 # JSON nesting a valid header needs is 3 (object -> entry -> list); anything deeper is hostile.
 _MAX_DEPTH = 8
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
-_make_tuple = tuple.__new__
 
 
 class TensorInfo(NamedTuple):
@@ -217,8 +217,8 @@ def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
     bits = count * dt.bits
     if bits > U64_MAX or bits % 8 or end - begin != bits // 8:
         return None
-    # tuple.__new__: the named tuple's own __new__ is Python code, and this runs per tensor.
-    return _make_tuple(TensorInfo, (name, dtype_name, tuple(shape), begin, end))
+    # make_tuple: the named tuple's own __new__ is Python code, and this runs per tensor.
+    return make_tuple(TensorInfo, (name, dtype_name, tuple(shape), begin, end))
 
 
 def _plain_header(
