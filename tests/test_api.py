@@ -85,6 +85,37 @@ def test_progress_callback_sees_every_byte(ckpt: Path, tmp_path: Path) -> None:
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
 
+@pytest.mark.parametrize(
+    ("mapping", "verify", "paused"),
+    [
+        (RENAME, False, True),  # bytes moved, none computed: one pause over it all
+        (RENAME, True, False),  # verifying reads every byte: the pause ends with the plan
+        ('weightmap 1\ncast "{x*}" to F32 where dtype == "BF16"\nkeep "{x*}"\n', False, False),
+    ],
+)
+def test_remap_pauses_the_collector_only_where_nothing_is_computed(
+    ckpt: Path, tmp_path: Path, mapping: str, verify: bool, paused: bool
+) -> None:
+    """The collector stays paused while bytes move only where the conversion computes
+    nothing (format/gcpause.py), and is on again once remap returns, as it was before."""
+    import gc
+
+    during: list[bool] = []
+    assert gc.isenabled()
+    weightmap.remap(
+        ckpt,
+        tmp_path / "out",
+        mapping=mapping,
+        verify=verify,
+        progress=lambda _done, _total: during.append(gc.isenabled()),
+    )
+    assert during and set(during) == {not paused}
+    assert gc.isenabled()
+    with pytest.raises(MappingError, match="matches no input"):  # fails inside the pause
+        weightmap.remap(ckpt, tmp_path / "out2", mapping='weightmap 1\nkeep "none.{x}"\n')
+    assert gc.isenabled()
+
+
 def test_progress_bar_goes_to_stderr(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -229,6 +229,28 @@ def test_gc_pauses_nest_and_restore() -> None:
         gc.enable()
 
 
+def test_a_released_gc_pause_ends_once() -> None:
+    """release ends a pause before its block does, once: the block's end then leaves a pause
+    that began inside it alone."""
+    import gc
+
+    from weightmap.format.gcpause import GcPause, gc_paused
+
+    assert gc.isenabled()
+    with gc_paused() as outer:
+        assert isinstance(outer, GcPause)
+        with gc_paused():
+            outer.release()
+            outer.release()
+            assert not gc.isenabled()  # the inner pause still holds
+        assert gc.isenabled()
+        inner = GcPause().__enter__()
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the outer block's end did not end the other pause
+    inner.release()
+    assert gc.isenabled()
+
+
 def test_plan_caches_never_travel_with_replace(tmp_path: Path) -> None:
     """Plan.output_specs is made once, and a plan made with dataclasses.replace has its own."""
     import dataclasses

@@ -22,6 +22,7 @@ from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.hub import HubRepo, looks_like_repo_id
 from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.sidefiles import FolderFiles, list_side_files
@@ -274,69 +275,81 @@ def remap(
         _check_destination(Path(out))
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
-    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
-        if inplace:
-            _check_inplace_source(ckpt)
-        carried = src.side_files(ckpt, rules, side_files, out)
-        if inplace and carried is not None:
-            # Listed in place too, so that `exists file` sees what a conversion into a new
-            # folder sees (a preset's config.json edits depend on it); without the warnings
-            # about entries a copy would skip, since nothing is copied.
-            carried = FolderFiles(carried.files)
-        plan = compile_plan(
-            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
-        )
-        if inplace:
-            # The folder's other files stay where they are: a files block that would change
-            # them is refused, and the plan carries none.
-            check_files_stay(plan, [f.name for f in carried.files] if carried else [])
-            plan = replace(plan, files=())
-        if on_plan is not None:
-            on_plan(plan)
-        if not dry_run:
-            src.fetch(plan, progress=bars)
-        if dry_run:
-            return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
-        if inplace:
-            files = rewrite_inplace(plan, ckpt)
-            return Result(
-                plan=plan,
-                dest=ckpt.root,
-                paths=tuple(files),
-                inplace=True,
-                seconds=time.perf_counter() - start,
+
+    def convert(pause: GcPause) -> Result:
+        with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+            if inplace:
+                _check_inplace_source(ckpt)
+            carried = src.side_files(ckpt, rules, side_files, out)
+            if inplace and carried is not None:
+                # Listed in place too, so that `exists file` sees what a conversion into a new
+                # folder sees (a preset's config.json edits depend on it); without the warnings
+                # about entries a copy would skip, since nothing is copied.
+                carried = FolderFiles(carried.files)
+            plan = compile_plan(
+                rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
             )
-        assert out is not None
-        writer, stats = _write(
-            plan,
-            ckpt,
-            out,
-            progress,
-            max_shard_size,
-            overwrite,
-            workers,
-            chunk_bytes,
-            verify,
-            layout,
-            executor,
-            ray_address,
+            if inplace:
+                # The folder's other files stay where they are: a files block that would change
+                # them is refused, and the plan carries none.
+                check_files_stay(plan, [f.name for f in carried.files] if carried else [])
+                plan = replace(plan, files=())
+            if src.repo is not None or verify or executor != "local" or not plan.is_rename_only:
+                pause.release()
+            if on_plan is not None:
+                on_plan(plan)
+            if not dry_run:
+                src.fetch(plan, progress=bars)
+            if dry_run:
+                return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
+            if inplace:
+                files = rewrite_inplace(plan, ckpt)
+                return Result(
+                    plan=plan,
+                    dest=ckpt.root,
+                    paths=tuple(files),
+                    inplace=True,
+                    seconds=time.perf_counter() - start,
+                )
+            assert out is not None
+            writer, stats = _write(
+                plan,
+                ckpt,
+                out,
+                progress,
+                max_shard_size,
+                overwrite,
+                workers,
+                chunk_bytes,
+                verify,
+                layout,
+                executor,
+                ray_address,
+            )
+        dest = Path(out)
+        return Result(
+            plan=plan,
+            dest=dest,
+            paths=(
+                *(dest / s.filename for s in writer.shards),
+                *(dest / f.name for f in plan.files),
+            ),
+            bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
+            bytes_copied=stats.bytes_copied,
+            bytes_cloned=stats.bytes_cloned,
+            bytes_computed=stats.bytes_computed,
+            seconds=time.perf_counter() - start,
+            verified=verify,
+            checksums=dict(stats.checksums or {}),
         )
-    dest = Path(out)
-    return Result(
-        plan=plan,
-        dest=dest,
-        paths=(
-            *(dest / s.filename for s in writer.shards),
-            *(dest / f.name for f in plan.files),
-        ),
-        bytes_written=stats.bytes_cloned + stats.bytes_copied + stats.bytes_computed,
-        bytes_copied=stats.bytes_copied,
-        bytes_cloned=stats.bytes_cloned,
-        bytes_computed=stats.bytes_computed,
-        seconds=time.perf_counter() - start,
-        verified=verify,
-        checksums=dict(stats.checksums or {}),
-    )
+
+    # One pause of the collector over the conversion (format/gcpause.py): it ends once
+    # convert() has returned, so that what the conversion made and dropped is never walked.
+    # A conversion that only moves bytes makes no objects per byte, however long its copies
+    # take; where it computes, verifies, downloads or runs on a cluster, the pause ends with
+    # the plan, as that work may take minutes and make objects of other libraries.
+    with gc_paused() as pause:
+        return convert(pause)
 
 
 def _check_inplace_options(verify: bool, executor: Executor) -> None:
