@@ -109,8 +109,8 @@ class CheckpointWriter:
         self.dest = Path(dest)
         # Written by processes on other machines too: the temporary name carries this host.
         self.shared = shared
-        counts = Counter(s.name for s in specs)
-        if len(counts) != len(specs):
+        if len({s.name for s in specs}) != len(specs):
+            counts = Counter(s.name for s in specs)
             dup = sorted(n for n, c in counts.items() if c > 1)
             raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
         for p in protect:
@@ -146,10 +146,9 @@ class CheckpointWriter:
         self.copies = planned.copies
         self._inputs = [Path(p) for p in inputs]
         self._total = sum(s.size - len(s.header) for s in self.shards)
-        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (shard idx, begin, end)
-        for i, shard in enumerate(self.shards):
-            for name, (b, e) in shard.offsets.items():
-                self._where[name] = (i, b, e)
+        # name -> (shard idx, begin, end), for the tensors written by name: made on the first
+        # such write, as a conversion that only moves input bytes never asks.
+        self._where_map: dict[str, tuple[int, int, int]] | None = None
         self._written = [0] * len(self.shards)  # data bytes written, by shard
         self._lock = threading.Lock()
         self._fds: list[int] = []
@@ -258,9 +257,22 @@ class CheckpointWriter:
 
     # -- data ----------------------------------------------------------------------------------
 
+    def _where(self, name: str) -> tuple[int, int, int]:
+        where = self._where_map
+        if where is None:
+            with self._lock:  # written by several threads: made once
+                if self._where_map is None:
+                    self._where_map = {
+                        tensor: (i, b, e)
+                        for i, shard in enumerate(self.shards)
+                        for tensor, (b, e) in shard.offsets.items()
+                    }
+                where = self._where_map
+        return where[name]
+
     def target(self, name: str) -> tuple[int, int, int]:
         """``(fd, file offset, length)`` of tensor ``name`` in its output shard."""
-        shard, begin, end = self._where[name]
+        shard, begin, end = self._where(name)
         return self._fds[shard], begin, end - begin
 
     def _check(self, name: str, offset: int, length: int) -> tuple[int, int]:
@@ -286,7 +298,7 @@ class CheckpointWriter:
         fd, position = self._check(name, offset, length)
         pwrite_all(fd, data, position)
         start_writeback(fd, position, length)
-        self._done(self._where[name][0], length)
+        self._done(self._where(name)[0], length)
 
     def copy_range(
         self, name: str, src_fd: int, src_offset: int, length: int, offset: int = 0
@@ -294,7 +306,7 @@ class CheckpointWriter:
         """Copy ``length`` bytes of another file into tensor ``name``, in the kernel if possible."""
         fd, position = self._check(name, offset, length)
         copy(src_fd, src_offset, fd, position, length, name)
-        self._done(self._where[name][0], length)
+        self._done(self._where(name)[0], length)
 
     def pieces(self) -> list[Piece]:
         """The planned copies cut into pieces (once the writer is open): whole blocks at
