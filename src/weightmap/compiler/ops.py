@@ -14,7 +14,7 @@ from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language import ast as A
 from weightmap.language.expr import (
-    capture_namer,
+    capture_format,
     compile_expr,
     compile_template,
     resolve_dtype,
@@ -186,8 +186,8 @@ def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str,
     through ``scope.with_tensor``, as ``namer`` renders it.
     """
     render = namer(t)
-    direct = capture_namer(t)
-    if direct is None or scope.local:
+    fmt = capture_format(t)
+    if fmt is None or scope.local:
 
         def through_scope(spec: TensorSpec, caps: dict[str, Any]) -> str:
             return render(scope.with_tensor(spec, caps))
@@ -195,8 +195,10 @@ def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str,
         return through_scope
 
     def from_captures(spec: TensorSpec, caps: dict[str, Any]) -> str:
-        name = direct(caps)
-        return render(scope.with_tensor(spec, caps)) if name is None else name
+        try:
+            return fmt.format_map(caps)
+        except KeyError:  # a hole that is no capture: a param
+            return render(scope.with_tensor(spec, caps))
 
     return from_captures
 

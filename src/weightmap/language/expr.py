@@ -30,6 +30,7 @@ from weightmap.language.values import (
 
 __all__ = [
     "DTYPE_ALIASES",
+    "capture_format",
     "capture_namer",
     "closest",
     "compile_expr",
@@ -280,25 +281,39 @@ def render(t: A.Template, scope: Scope) -> str:
     return "".join(out)
 
 
+def capture_format(t: A.Template) -> str | None:
+    """The template as a ``str.format_map`` pattern over the captures, where every hole is a
+    bare name, else None. ``format_map`` raises ``KeyError`` for captures that lack a hole's
+    name (a param, say), which then needs a scope. Output names are rendered once per tensor:
+    this is the common template, and one ``format_map`` call the cheapest way to fill it.
+
+    Captures are only ever str (segments, alternatives) or int (``{n:int}``, unstack index),
+    and both print the same through format() as through show(); a name is an identifier, so
+    ``{name}`` is a plain field of the pattern (no index, attribute or conversion).
+    """
+    out = []
+    for part in t.parts:
+        if isinstance(part, str):
+            out.append(part.replace("{", "{{").replace("}", "}}"))
+        elif isinstance(part, A.Name):
+            out.append(f"{{{part.id}}}")
+        else:
+            return None
+    return "".join(out)
+
+
 def capture_namer(t: A.Template) -> Callable[[dict[str, Any]], str | None] | None:
-    """A renderer of the template from captures alone, where every hole is a bare name, else
-    None; it answers None for captures that lack a hole's name (a param, say), which then
-    needs a scope. Output names are rendered once per tensor: this is the common template."""
-    names = tuple(p.id for p in t.parts if isinstance(p, A.Name))
-    if len(names) != sum(not isinstance(p, str) for p in t.parts):
+    """A renderer of the template from captures alone (see ``capture_format``), else None; it
+    answers None for captures that lack a hole's name."""
+    fmt = capture_format(t)
+    if fmt is None:
         return None
-    fmt = "".join(
-        p.replace("{", "{{").replace("}", "}}") if isinstance(p, str) else "{}" for p in t.parts
-    )
 
     def from_captures(caps: dict[str, Any]) -> str | None:
         try:
-            values = [caps[n] for n in names]
+            return fmt.format_map(caps)
         except KeyError:
             return None
-        # Captures are only ever str (segments, alternatives) or int ({n:int}, unstack index),
-        # and both print the same through format() as through show().
-        return fmt.format(*values)
 
     return from_captures
 
