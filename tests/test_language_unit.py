@@ -180,3 +180,27 @@ def test_captures_of_every_count_reach_the_name(pattern: str, template: str, exp
     # gives the same names and types ({i:int} is an int: `i * 2` is 6).
     plan = compile_text(f"rename {pattern} -> {template}\n", [T("l.3.w", "F32", (2,))])
     assert [o.name for o in plan.outputs] == [expected]
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "__metadata__", "a\nb", "a\x7f", "x" * 1025, "a\ud800", "é\x01", "\x00"]
+)
+@pytest.mark.parametrize("company", [[], ["ok"], ["ok.é"], ["a"] * 50])
+def test_every_unwritable_output_name_is_reported_in_any_company(
+    bad: str, company: list[str]
+) -> None:
+    """check_names looks at all the names at once first (ASCII or not): a bad name among good
+    ones is still found and named, and names that are good pass."""
+    from weightmap.compiler.names import check_names
+    from weightmap.language.ast import Loc
+    from weightmap.plan.plan import OutputTensor
+
+    def outputs(names: list[str]) -> list[OutputTensor]:
+        return [OutputTensor.of(T(n, "F32", (1,)), Source.of(n, "F32", (1,)), Loc("m", 1, 1))
+                for n in names]  # fmt: skip
+
+    said: list[str] = []
+    check_names(outputs([*company, bad]), lambda _loc, message: said.append(message))
+    assert len(said) == 1 and repr(bad[:80]) in said[0]
+    check_names(outputs([*company, "é.ü", "a b", "x" * 1024]), lambda *_: said.append("!"))
+    assert len(said) == 1

@@ -35,7 +35,7 @@ from weightmap.language import ast as A
 from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
 from weightmap.language.values import EvalError, Scope, truth
-from weightmap.plan.nodes import Node
+from weightmap.plan.nodes import Node, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
@@ -428,7 +428,14 @@ def _finish(
             gone[item.spec.name] = where
     kept.sort(key=lambda i: (i.order, i.spec.name))
     outputs = [OutputTensor.of(i.spec, i.node, i.origin or where) for i in kept]
-    used = {s.name for o in outputs for s in o.node.sources()}
+    used: set[str] = set()
+    add = used.add
+    for o in outputs:
+        node = o.node
+        if type(node) is Source:  # a renamed or kept input, the common output: no call
+            add(node.name)
+        else:
+            used.update(s.name for s in node.sources())
     dropped = [
         Dropped(name=s.name, origin=gone.get(s.name, where))
         for s in c.inputs

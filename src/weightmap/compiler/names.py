@@ -50,6 +50,20 @@ def bad_name(name: str) -> str | None:
 def check_names(outputs: Sequence[OutputTensor], report: Callable[[A.Loc, str], None]) -> None:
     """Report every output whose name cannot be written (collisions are caught as they happen,
     see route.py)."""
+    names = [o.name for o in outputs]
+    # All the names at once, at C speed, for the common case where every one is good (a
+    # checkpoint may hold 100,000): a joined string holds an unwritable character where one
+    # of the names does. An ASCII string is printable exactly where it has no control
+    # character, and that test is several times faster than the regex's scan.
+    joined = "".join(names)
+    if (
+        names
+        and min(map(len, names)) > 0
+        and max(map(len, names)) <= MAX_NAME_CHARS
+        and "__metadata__" not in names
+        and (joined.isprintable() if joined.isascii() else not _UNWRITABLE.search(joined))
+    ):
+        return
     for o in outputs:
         why = bad_name(o.name)
         if why:
