@@ -332,6 +332,11 @@ class _Step:
         the most common plan there is."""
         ws, r, loc = self.ws, self.r, self.rule.loc
         render = tensor_namer(self.rule.outputs[0], self.scope) if self.rule.outputs else None
+        # ws.put and ws.record, inlined for an output whose name is free: straight to the end
+        # of the rules where this is the last rule that could take it, else routed on.
+        alive, final, history = ws.alive, ws.final, ws.taken
+        below = r + 1
+        last = below >= len(ws.buckets)
         for item, m in taken:
             spec = item.spec
             problems.tensor = spec.name  # a problem now is about this tensor
@@ -344,10 +349,18 @@ class _Step:
             node = item.node
             if name == spec.name:  # the tensor itself goes on: it keeps its maker
                 origin = item.origin if item.origin is not None else loc
-                ws.put(Item(spec, node, item.order, origin), r)
+                out = Item(spec, node, item.order, origin, True)
             else:  # the same bytes under another name (and size, where it is known)
-                ws.put(Item(spec.named(name), node, item.order, loc), r)
-            ws.record(spec.name, loc, name)
+                out = Item(spec.named(name), node, item.order, loc, True)
+            if name in alive:
+                ws.put(out, r)  # a collision, which put reports
+            else:
+                alive[name] = out
+                if last:
+                    final.append(out)
+                else:
+                    ws.place(out, below)
+            history[spec.name] = (loc, name)
         problems.tensor = None
 
     def group(self, taken: list[tuple[Item, Match]]) -> None:

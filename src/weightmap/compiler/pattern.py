@@ -101,6 +101,8 @@ def _single(p: A.Pattern) -> re.Pattern[str]:
 
 
 Filter = Callable[[TensorSpec, dict[str, Any]], bool]
+_Captures = Callable[[re.Match[str]], dict[str, Any]]
+MatchParts = tuple[Callable[[str], "re.Match[str] | None"], dict[int, int], list[_Captures]]
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Matcher:
         self.owners = [(a.rule, a.pattern_index) for a in self.alternatives]
         sources, self._groups, self._singles = [], [], []
         self._outer: dict[int, int] = {}
-        self._fast: list[Callable[[re.Match[str]], dict[str, Any]]] = []
+        self._fast: list[_Captures] = []
         group_count = 0
         for k, alt in enumerate(self.alternatives):
             body, caps = pattern_regex(alt.pattern, prefix=f"_{k}_")
@@ -134,6 +136,15 @@ class Matcher:
             self._fast.append(_captures(caps, numbers))
             self._singles.append(_single(alt.pattern))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
+
+    def unfiltered(self) -> MatchParts | None:
+        """What ``match`` does, in parts, for a caller that matches many names in one loop:
+        ``(fullmatch, alternative of each outer group, captures of each alternative)``, where
+        no alternative has a filter (the first that matches the name is then the match);
+        None where one has."""
+        if any(a.accept is not None for a in self.alternatives):
+            return None
+        return self._combined.fullmatch, self._outer, self._fast
 
     def match(self, spec: TensorSpec) -> tuple[int, dict[str, Any]] | None:
         """``(alternative, captures)`` for the tensor ``spec``, or None.

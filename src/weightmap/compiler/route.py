@@ -121,32 +121,44 @@ class WorkingSet:
 
     def start(self, inputs: Sequence[TensorSpec]) -> None:
         """Put the inputs in the set, each on its way to the first rule that takes it."""
-        # What _place does for each input, with the matcher and the lists looked up once:
+        # What place does for each input, with the matcher and the lists looked up once:
         # this loop runs once per tensor of the checkpoint. (With no rules, the matcher
         # matches nothing and every input goes to the end.)
         alive, final, buckets = self.alive, self.final, self.buckets
         matcher = self.router.matcher(0)
         match, owners = matcher.match, matcher.owners
+        # Where no rule has a filter (the common mapping), Matcher.match's steps are taken
+        # here, in this loop: nothing to accept and no filter to fail.
+        parts = matcher.unfiltered()
+        fullmatch, outer, captures = parts if parts is not None else (None, {}, [])
         for i, spec in enumerate(inputs):
             name = spec.name
             if name in alive:
                 continue  # duplicate input names are reported by the compiler
             node = Source.of(name, spec.dtype, spec.shape)
             item = alive[name] = Item(spec, node, i)
-            try:
-                hit = match(spec)
-            except _FilterError as err:
-                self._filter_failed(item, err)
-                continue
-            if hit is None:
-                final.append(item)
+            if fullmatch is not None:
+                found = fullmatch(name)
+                if found is None:
+                    final.append(item)
+                    continue
+                k = outer[found.lastindex or 0]
+                caps = captures[k](found)
             else:
-                rule, pattern_index = owners[hit[0]]
-                # (make_tuple: Match's own __new__ is Python code; this runs per tensor.)
-                m = make_tuple(Match, (spec, node, hit[1], pattern_index))
-                buckets[rule].append((item, m))
+                try:
+                    hit = match(spec)
+                except _FilterError as err:
+                    self._filter_failed(item, err)
+                    continue
+                if hit is None:
+                    final.append(item)
+                    continue
+                k, caps = hit
+            rule, pattern_index = owners[k]
+            # (make_tuple: Match's own __new__ is Python code; this runs per tensor.)
+            buckets[rule].append((item, make_tuple(Match, (spec, node, caps, pattern_index))))
 
-    def _place(self, item: Item, start: int) -> None:
+    def place(self, item: Item, start: int) -> None:
         """Send ``item`` to the first rule from ``start`` that takes it, or to the end."""
         if start >= len(self.buckets):
             self.final.append(item)
@@ -186,7 +198,7 @@ class WorkingSet:
         if item.origin is None:  # an input: the rule that kept it is where it comes from
             item.origin = self.router.rules[r].loc
         self.alive[item.spec.name] = item
-        self._place(item, r + 1)
+        self.place(item, r + 1)
 
     def record(self, name: str, rule: A.Loc, became: str) -> None:
         """Remember that ``rule`` took ``name`` and made ``became`` of it ("" for nothing)."""
@@ -200,7 +212,7 @@ class WorkingSet:
             self.report(item.origin or self.router.rules[r].loc, _collision(item, other))
             return
         self.alive[item.spec.name] = item
-        self._place(item, r + 1)
+        self.place(item, r + 1)
 
     def explain_nothing(self, pattern: A.Pattern) -> str | None:
         """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
