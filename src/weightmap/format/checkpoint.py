@@ -351,6 +351,14 @@ class Checkpoint:
                 rule="missing-shard",
             )
         ckpt = cls._from_files(root, list(shard_names.values()), index_path)
+        # The index as the shards' headers say it should be, made and compared at C speed
+        # (an index lists every tensor): the loops below only name what disagrees.
+        expected: dict[str, Any] = {}
+        for shard, path in shard_names.items():
+            expected.update(dict.fromkeys(ckpt.headers[path].tensors, shard))
+        if expected == weight_map:
+            _check_complete(root, index_path, index, ckpt.headers)
+            return ckpt
         problems: list[str] = []
         for tensor, shard in weight_map.items():
             located = ckpt._tensors.get(tensor)
@@ -386,15 +394,15 @@ class Checkpoint:
             else:
                 header = read_header(f)
             headers[f] = header
-            for name, info in header.tensors.items():
-                if name in tensors:
-                    raise CheckpointError(
-                        f"tensor is stored in both {tensors[name][0].name} and {f.name}",
-                        path=f,
-                        tensor=name,
-                        rule="duplicate-name",
-                    )
-                tensors[name] = (f, info)
+            if not tensors.keys().isdisjoint(header.tensors):
+                name = next(n for n in header.tensors if n in tensors)
+                raise CheckpointError(
+                    f"tensor is stored in both {tensors[name][0].name} and {f.name}",
+                    path=f,
+                    tensor=name,
+                    rule="duplicate-name",
+                )
+            tensors.update({name: (f, info) for name, info in header.tensors.items()})
         ckpt = cls(root, headers, tensors, _read_config(root, CONFIG_NAME), index_path)
         ckpt._loaded = loaded
         return ckpt
