@@ -12,12 +12,13 @@ import errno
 import fcntl
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from weightmap.errors import ExecutionError
 
-__all__ = ["clone", "copy", "fallocate", "fsync_all", "pwrite_all", "start_writeback"]
+__all__ = ["clone", "copy", "fallocate", "fsyncing", "pwrite_all", "start_writeback"]
 
 _COPY_CHUNK = 64 * 1024 * 1024
 # linux/fs.h: _IOW(0x94, 13, struct file_clone_range)
@@ -41,15 +42,23 @@ def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
         position += n
 
 
-def fsync_all(fds: Sequence[int]) -> None:
-    """fsync every shard, several at once: the filesystem's journal then commits them together
-    instead of once per file (48 shards took 48 journal commits one after the other)."""
+@contextmanager
+def fsyncing(fds: Sequence[int]) -> Iterator[None]:
+    """fsync every shard while the body runs, and wait for them at its end.
+
+    Several at once: the filesystem's journal then commits them together instead of once per
+    file (48 shards took 48 journal commits one after the other). The body runs meanwhile
+    (the commit makes the index there): fsync waits on the disk without the interpreter.
+    """
     if len(fds) <= 1:
+        yield
         for fd in fds:
             os.fsync(fd)
         return
     with ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool:
-        list(pool.map(os.fsync, fds))
+        synced = pool.map(os.fsync, fds)  # every fsync is submitted here
+        yield
+        list(synced)  # (raises the first that failed)
 
 
 def clone(src_fd: int, src: int, fd: int, dst: int, length: int) -> bool:

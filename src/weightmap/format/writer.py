@@ -52,7 +52,7 @@ from weightmap.format.transfer import (
     clone,
     copy,
     fallocate,
-    fsync_all,
+    fsyncing,
     pwrite_all,
     start_writeback,
 )
@@ -383,22 +383,24 @@ class CheckpointWriter:
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
             self._close_inputs()
-            fsync_all(self._fds)
+            # The small files are made and written while the shards' fsyncs wait on the disk
+            # (an index of 100,000 names takes a while to write out).
+            with fsyncing(self._fds):
+                if len(self.shards) > 1:
+                    weight_map = {
+                        name: shard.filename for shard in self.shards for name in shard.offsets
+                    }
+                    self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
+                if self.config is not None:
+                    # Strict JSON: Python would write NaN, which no JSON reader takes.
+                    text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
+                    text += "\n"
+                    self._write_small(CONFIG_NAME, text.encode("utf-8"))
+                for name, blob in self._files.items():
+                    self._write_small(name, blob)
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
-            if len(self.shards) > 1:
-                weight_map = {
-                    name: shard.filename for shard in self.shards for name in shard.offsets
-                }
-                self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
-            if self.config is not None:
-                # Strict JSON: Python would write NaN, which no JSON reader takes.
-                text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
-                text += "\n"
-                self._write_small(CONFIG_NAME, text.encode("utf-8"))
-            for name, blob in self._files.items():
-                self._write_small(name, blob)
             fsync_dir(self.tmp)
             if self.before_move is not None:
                 self.before_move(self.tmp)
