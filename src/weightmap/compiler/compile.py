@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -277,8 +278,12 @@ def run_rules(
                 step.one(item, m)
             c.problems.tensor = None
         for item, _m in taken:
-            for src in item.node.sources():
-                gone[src.name] = rule.loc
+            node = item.node
+            if type(node) is Source:  # an input as it came: its own one source, no call
+                gone[node.name] = rule.loc
+            else:
+                for src in node.sources():
+                    gone[src.name] = rule.loc
     return _finish(c, ws, unmatched, gone)
 
 
@@ -439,7 +444,11 @@ def _finish(
     for item in leftovers:
         if policy == "drop":
             gone[item.spec.name] = where
-    kept.sort(key=lambda i: (i.order, i.spec.name))
+    # Outputs in input order, a tensor's outputs by name. They mostly come so already, one
+    # per input (a rename of every tensor): seen in one pass over the orders, not sorted.
+    orders = [i.order for i in kept]
+    if not all(map(operator.lt, orders, orders[1:])):  # strictly increasing: no ties either
+        kept.sort(key=lambda i: (i.order, i.spec.name))
     outputs = [OutputTensor.of(i.spec, i.node, i.origin or where) for i in kept]
     used: set[str] = set()
     add = used.add
