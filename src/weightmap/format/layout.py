@@ -9,6 +9,7 @@ offsets modulo the filesystem block and a copy-on-write filesystem can share the
 from __future__ import annotations
 
 import json
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -293,7 +294,12 @@ def plan_layout(
 def _by_anchor(specs: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[TensorSpec]:
     """Tensors in the order of the input bytes they read (stable; unanchored ones last)."""
     far = (1 << 62, 0)
-    return sorted(specs, key=lambda s: o.anchor if (o := origins.get(s.name)) else far)
+    get = origins.get
+    keys = [o.anchor if (o := get(s.name)) else far for s in specs]
+    # Outputs mostly come in input order already (one per input): seen so in one pass.
+    if all(map(operator.le, keys, keys[1:])):
+        return list(specs)
+    return [specs[i] for i in sorted(range(len(specs)), key=keys.__getitem__)]
 
 
 def _file_breaks(order: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[bool]:
