@@ -232,7 +232,6 @@ def execute(
         layout=layout,
     )
     copied = sources.copied
-    sizes = {s.name: s.nbytes for s in plan.output_specs()}
     counts = _Stats(checksum, progress)
     computer = Computer(
         ckpt,
@@ -250,10 +249,11 @@ def execute(
             tasks: list[Callable[[], None]] = []
             # Computed tensors first, biggest first, so one large tensor does not finish last;
             # small ones in batches. The copies follow in output order.
+            # (Sizes asked of the computed ones only: a rename computes nothing.)
             computed = sorted(
-                (o for o in plan.outputs if o.name not in copied), key=lambda o: -sizes[o.name]
+                (o for o in plan.outputs if o.name not in copied), key=lambda o: -o.spec.nbytes
             )
-            for batch in _batches(computed, lambda o: sizes[o.name], COPY_PIECE):
+            for batch in _batches(computed, lambda o: o.spec.nbytes, COPY_PIECE):
                 tasks.append(partial(_compute, computer, batch))
             for pieces in _batches(
                 writer.pieces(), lambda p: _CLONE_WEIGHT if p.clone else p.length, COPY_PIECE

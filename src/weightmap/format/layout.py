@@ -152,18 +152,32 @@ def _shard_names(n: int) -> list[str]:
 
 
 def _group(
-    specs: Sequence[TensorSpec], sizes: Mapping[str, int], limit: int, breaks: Sequence[bool]
+    specs: Sequence[TensorSpec],
+    sizes: Mapping[str, int],
+    limit: int,
+    origins: Mapping[str, Origin] | None = None,
 ) -> list[list[TensorSpec]]:
-    """Greedy shards in the given order: a new one where the next tensor would pass ``limit``
-    or where ``breaks`` says so. A tensor larger than the limit gets a shard of its own."""
-    groups: list[list[TensorSpec]] = [[]]
+    """Greedy shards in the given order: a new one where the next tensor would pass ``limit``,
+    and (given ``origins``) where the next copied tensor reads another input file than the one
+    copied before it, so that no shard copies bytes from two input files. A tensor larger than
+    the limit gets a shard of its own."""
+    group: list[TensorSpec] = []
+    groups = [group]
     current = 0
-    for spec, brk in zip(specs, breaks, strict=True):
+    file: int | None = None  # the input file of the last copied tensor
+    get = origins.get if origins is not None else None
+    for spec in specs:
         size = sizes[spec.name]
-        if groups[-1] and (brk or current + size > limit):
-            groups.append([])
+        brk = False
+        if get is not None and (origin := get(spec.name)) is not None and origin.extents:
+            first = origin.extents[0].file
+            brk = file is not None and first != file
+            file = first
+        if group and (brk or current + size > limit):
+            group = []
+            groups.append(group)
             current = 0
-        groups[-1].append(spec)
+        group.append(spec)
         current += size
     return groups
 
@@ -267,10 +281,9 @@ def plan_layout(
     origins = origins or {}
     sizes = {s.name: s.nbytes for s in specs}
     if layout == "clone":
-        order = _by_anchor(specs, origins)
-        groups = _group(order, sizes, limit, _file_breaks(order, origins))
+        groups = _group(_by_anchor(specs, origins), sizes, limit, origins)
     else:
-        groups = _group(specs, sizes, limit, [False] * len(specs))
+        groups = _group(specs, sizes, limit)
     shards: list[ShardPlan] = []
     copies: list[Copy] = []
     for index, (name, group) in enumerate(zip(_shard_names(len(groups)), groups, strict=True)):
@@ -302,21 +315,6 @@ def _by_anchor(specs: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> li
     return [specs[i] for i in sorted(range(len(specs)), key=keys.__getitem__)]
 
 
-def _file_breaks(order: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[bool]:
-    """Where a new shard starts so that no shard copies bytes from two input files."""
-    breaks = []
-    current: int | None = None
-    for spec in order:
-        origin = origins.get(spec.name)
-        brk = False
-        if origin is not None and origin.extents:
-            file = origin.extents[0].file
-            brk = current is not None and file != current
-            current = file
-        breaks.append(brk)
-    return breaks
-
-
 def _alignment(dtype: str) -> int:
     """The offset alignment the reference layout gives a tensor: its element size, at most 8."""
     bits = DTYPES[dtype].bits
@@ -345,8 +343,12 @@ def _clone_shard(
     copied = [s for s in group if (o := origins.get(s.name)) is not None and o.extents]
     if not copied:
         return None
-    copied_names = {s.name for s in copied}
-    computed = _layout_order([s for s in group if s.name not in copied_names])
+    # Every tensor copied (a rename): no set of names to make, nothing to sort.
+    if len(copied) == len(group):
+        computed = []
+    else:
+        copied_names = {s.name for s in copied}
+        computed = _layout_order([s for s in group if s.name not in copied_names])
     best: tuple[int, int, list[TensorSpec], list[Copy]] | None = None
     for order in (copied + computed, computed + copied) if computed else (copied,):
         if not _aligned(order, sizes):
@@ -379,18 +381,31 @@ def _runs(
     order: Sequence[TensorSpec], sizes: Mapping[str, int], origins: Mapping[str, Origin]
 ) -> list[Copy]:
     """The copies of tensors stored back to back in ``order``, offsets relative to the data
-    buffer."""
-    pieces: list[tuple[int, Extent]] = []
+    buffer: one per run of ranges adjacent both in the input and in the output."""
+    # Coalesced in the same loop that places the tensors, the open run in locals: this runs
+    # once per tensor of every shard laid out.
+    runs: list[Copy] = []
+    file = src = dst = length = -1  # the open run; none while length < 0
+    get = origins.get
     position = 0
     for spec in order:
-        origin = origins.get(spec.name)
+        origin = get(spec.name)
         if origin is not None and origin.extents:
             at = position
-            for ext in origin.extents:
-                pieces.append((at, ext))
-                at += ext.length
+            for ext_file, offset, ext_length in origin.extents:
+                if not ext_length:
+                    continue
+                if ext_file == file and src + length == offset and dst + length == at:
+                    length += ext_length
+                else:
+                    if length >= 0:
+                        runs.append(Copy(file, src, 0, dst, length))
+                    file, src, dst, length = ext_file, offset, at, ext_length
+                at += ext_length
         position += sizes[spec.name]
-    return _coalesce(pieces, 0)
+    if length >= 0:
+        runs.append(Copy(file, src, 0, dst, length))
+    return runs
 
 
 def _best_residue(runs: Sequence[Copy]) -> tuple[int, int]:
@@ -406,21 +421,3 @@ def _best_residue(runs: Sequence[Copy]) -> tuple[int, int]:
         return 0, 0
     gain, neg = max(usable)
     return gain, -neg
-
-
-def _coalesce(pieces: Iterable[tuple[int, Extent]], shard: int) -> list[Copy]:
-    """One copy per run of ranges adjacent both in the input and in the output.
-
-    ``pieces`` come in output order.
-    """
-    runs: list[list[int]] = []  # [file, src, dst, length]
-    for at, ext in pieces:
-        if not ext.length:
-            continue
-        if runs:
-            last = runs[-1]
-            if last[0] == ext.file and last[1] + last[3] == ext.offset and last[2] + last[3] == at:
-                last[3] += ext.length
-                continue
-        runs.append([ext.file, ext.offset, at, ext.length])
-    return [Copy(file, src, shard, dst, length) for file, src, dst, length in runs]
