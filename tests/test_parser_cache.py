@@ -1,8 +1,11 @@
-"""The built parser is cached per user, safely, and a broken cache never breaks parsing."""
+"""The built parser and parsed programs are cached per user, safely, and a broken cache never
+breaks parsing."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +13,8 @@ import pytest
 from lark import Lark
 
 import weightmap.language.parse as parse_mod
+from weightmap.errors import MappingSyntaxError
+from weightmap.language import cache as language_cache
 from weightmap.language import grammar
 from weightmap.language.resources import read_text
 
@@ -20,19 +25,24 @@ from conftest import REPO
 def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("WEIGHTMAP_PARSER_CACHE", raising=False)
-    grammar.parser.cache_clear()
+    real = grammar.parser  # (a test may replace it; the monkeypatch is undone after this)
+    real.cache_clear()
     yield tmp_path
-    grammar.parser.cache_clear()
+    real.cache_clear()
+
+
+_texts = itertools.count()
 
 
 def _parses() -> None:
+    """Parse a program not parsed before, so that the parser itself is needed."""
     grammar.parser.cache_clear()
-    parse_mod.parse_program('weightmap 1\nrename "a.{x}" -> "b.{x}"\n')
+    parse_mod.parse_program(f'weightmap 1\n# {next(_texts)}\nrename "a.{{x}}" -> "b.{{x}}"\n')
 
 
 def test_cache_written_then_used(cache_home: Path) -> None:
     _parses()
-    (cache,) = (cache_home / "weightmap").iterdir()
+    (cache,) = (cache_home / "weightmap").glob("parser-*")
     assert cache.name.startswith("parser-py") and cache.suffix == ".pickle"
     assert (cache_home / "weightmap").stat().st_mode & 0o777 == 0o700
     before = cache.stat().st_mtime_ns
@@ -42,9 +52,10 @@ def test_cache_written_then_used(cache_home: Path) -> None:
 
 def test_broken_cache_is_replaced(cache_home: Path) -> None:
     _parses()
-    (cache,) = (cache_home / "weightmap").iterdir()
+    (cache,) = (cache_home / "weightmap").glob("parser-*")
     cache.write_bytes(b"not a parser")
     _parses()
+    assert grammar._load(str(cache)) is not None  # built again and written
     _parses()
 
 
@@ -73,7 +84,7 @@ def test_cached_parser_parses_as_built(cache_home: Path) -> None:
     assert len(texts) > 20
     grammar.parser.cache_clear()
     grammar.parser()  # builds and writes the cache
-    (cache,) = (cache_home / "weightmap").iterdir()
+    (cache,) = (cache_home / "weightmap").glob("parser-*")
     cached = grammar._load(str(cache))
     assert cached is not None
     # lark's own parser, as built from the grammar: not the compacted one parser() returns.
@@ -88,3 +99,89 @@ def test_cached_parser_parses_as_built(cache_home: Path) -> None:
             continue
         assert cached.parse(text, start="start") == want
     assert cached.parse("a * (2 + b)", start="expr") == built.parse("a * (2 + b)", start="expr")
+
+
+# -- parsed programs ------------------------------------------------------------------------
+
+_PROGRAM = 'weightmap 1\nrename "model.{rest*}" -> "{rest}" where shape[0] > 1\nunmatched drop\n'
+
+
+def _no_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, a program that is parsed rather than loaded fails the test."""
+
+    def refused() -> None:
+        raise AssertionError("parsed again: the cached program was not used")
+
+    monkeypatch.setattr(grammar, "parser", refused)
+
+
+def test_program_cache_written_then_used(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = parse_mod.parse_program(_PROGRAM, "m.wm")
+    (kept,) = (cache_home / "weightmap").glob("program-*.pickle")
+    _no_parser(monkeypatch)
+    again = parse_mod.parse_program(_PROGRAM, "m.wm")
+    assert again == first and again is not first
+    assert again.stmts[0].loc.file == "m.wm"
+    # The label is part of the program (its locations name it): another label is parsed.
+    with pytest.raises(AssertionError, match="parsed again"):
+        parse_mod.parse_program(_PROGRAM, "other.wm")
+    assert list((cache_home / "weightmap").glob("program-*.pickle")) == [kept]
+
+
+def test_program_cache_takes_only_the_program_it_names(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that does not load, or loads as something else (another label's program, any
+    other object), is not used: the text is parsed and the file written again."""
+    want = parse_mod.parse_program(_PROGRAM, "m.wm")
+    (kept,) = (cache_home / "weightmap").glob("program-*.pickle")
+    other = parse_mod.parse_program(_PROGRAM, "other.wm")
+    for planted in (b"not a program", pickle.dumps(other), pickle.dumps({"stmts": []})):
+        kept.write_bytes(planted)
+        assert parse_mod.parse_program(_PROGRAM, "m.wm") == want
+        assert pickle.loads(kept.read_bytes()) == want
+
+
+def test_program_cache_keeps_no_errors(cache_home: Path) -> None:
+    bad = 'weightmap 1\nrename "a.{x}" -> \n'
+    for _ in range(2):
+        with pytest.raises(MappingSyntaxError, match="unexpected"):
+            parse_mod.parse_program(bad, "bad.wm")
+    assert list((cache_home / "weightmap").glob("program-*")) == []
+
+
+def test_program_cache_is_keyed_by_the_code(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program parsed by other code (another grammar, parser or AST classes) is another
+    entry: an upgrade never loads what the old code made."""
+    here = language_cache.program_file(_PROGRAM, "m.wm")
+    monkeypatch.setattr(language_cache, "_code_digest", lambda: "other code")
+    there = language_cache.program_file(_PROGRAM, "m.wm")
+    assert here is not None and there is not None and here != there
+
+
+def test_program_cache_is_pruned(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(language_cache, "MAX_PROGRAMS", 8)
+    texts = [f'weightmap 1\nrename "a{i}.{{x}}" -> "b.{{x}}"\n' for i in range(20)]
+    for i, text in enumerate(texts):
+        parse_mod.parse_program(text, "m.wm")
+        # Written in order: the newest files sort last by time.
+        path = language_cache.program_file(text, "m.wm")
+        assert path is not None
+        os.utime(path, ns=(i * 10**9, i * 10**9))
+    left = sorted((cache_home / "weightmap").glob("program-*.pickle"))
+    assert 6 <= len(left) <= 8
+    newest = language_cache.program_file(texts[-1], "m.wm")
+    assert newest is not None and Path(newest) in left
+    oldest = language_cache.program_file(texts[0], "m.wm")
+    assert oldest is not None and Path(oldest) not in left
+
+
+def test_program_cache_turned_off_with_the_parser_cache(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIGHTMAP_PARSER_CACHE", "0")
+    assert language_cache.program_file(_PROGRAM, "m.wm") is None
+    parse_mod.parse_program(_PROGRAM, "m.wm")
+    assert not (cache_home / "weightmap").exists()

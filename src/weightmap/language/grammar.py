@@ -1,4 +1,5 @@
-"""The grammar (``grammars/weightmap.lark``) and its LALR parser, built once per process.
+"""The grammar (``grammars/weightmap.lark``) and its LALR parser, built once per process and
+kept between processes in the per-user cache (``cache.py``).
 
 lark is confined to this module, ``hints.py`` and ``parse.py``; its exceptions never leave them.
 """
@@ -10,19 +11,15 @@ import copyreg
 import gc
 import hashlib
 import importlib
-import io
 import os
-import pickle
-import sys
-import tempfile
 import types
 from functools import lru_cache
 from typing import Any
 
-import lark
 from lark import Lark
 from lark.parsers import lalr_analysis
 
+from weightmap.language import cache as _cache
 from weightmap.language.resources import read_text
 
 __all__ = ["cache_file", "parser"]
@@ -31,26 +28,15 @@ __all__ = ["cache_file", "parser"]
 def cache_file(grammar: str) -> str | None:
     """Where to keep the built parser between processes, or None to build it every time.
 
-    Building the LALR tables takes ~0.1 s, most of a small conversion; loading the built
-    parser takes ~0.01 s. The cache is a pickle, so it lives only in a folder that this user
-    owns and nobody else can write (never a shared temporary folder), and its name carries
-    the Python and lark versions and a hash of the grammar. ``WEIGHTMAP_PARSER_CACHE=0``
-    turns it off.
+    Building the LALR tables takes ~0.1 s; loading the built parser takes ~0.01 s. The name
+    carries the Python and lark versions and a hash of the grammar (see ``cache.py`` for where
+    and how the cache is kept).
     """
-    if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0" or not hasattr(os, "getuid"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "weightmap")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.stat(folder)
-    except OSError:
-        return None
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+    folder = _cache.folder()
+    if folder is None:
         return None
     digest = hashlib.sha256(grammar.encode()).hexdigest()[:16]
-    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    name = f"parser-{python}-lark{lark.__version__}-{digest}-{_CACHE_FORM}.pickle"
+    name = f"parser-{_cache.versions()}-{digest}-{_CACHE_FORM}.pickle"
     return os.path.join(folder, name)
 
 
@@ -88,36 +74,12 @@ def _compact(built: Lark) -> None:
         del built.grammar
 
 
-def _save(built: Lark, cache: str) -> None:
-    """Write ``built`` to ``cache`` whole or not at all (a temporary file, then a rename)."""
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = _REDUCERS
-    pickler.dump(built)
-    folder = os.path.dirname(cache)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".parser-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getvalue())
-        os.replace(tmp, cache)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _load(cache: str) -> Lark | None:
     """The parser pickled in ``cache``, or None when there is none or it is not one (then it
     is removed, to be written again)."""
-    try:
-        with open(cache, "rb") as f:
-            loaded = pickle.load(f)
-        if isinstance(loaded, Lark):
-            return loaded
-    except FileNotFoundError:
-        return None
-    except Exception:  # a broken cache must never stop a conversion
-        pass
+    loaded = _cache.load(cache)
+    if loaded is None or isinstance(loaded, Lark):
+        return loaded
     with contextlib.suppress(OSError):
         os.unlink(cache)
     return None
@@ -151,5 +113,5 @@ def parser() -> Lark:
     _compact(built)  # (built or loaded, the parser is the same object graph)
     if cache is not None:
         with contextlib.suppress(Exception):  # a cache that cannot be written is no error
-            _save(built, cache)
+            _cache.save(built, cache, _REDUCERS)
     return built

@@ -8,8 +8,11 @@ string.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import json
+import os
 import re
 from typing import Any, NoReturn
 
@@ -17,6 +20,7 @@ from lark import Token, Tree
 from lark.exceptions import LarkError, UnexpectedInput
 
 from weightmap.language import ast as A
+from weightmap.language import cache as _cache
 from weightmap.language import grammar
 from weightmap.language.functions import FUNCTIONS
 from weightmap.language.hints import lark_error, syntax_error
@@ -428,7 +432,33 @@ def _count_input_strings(t: Tree[Any]) -> int:
 
 
 def parse_program(text: str, file: str = "<string>") -> A.Program:
-    """Parse mapping source text into a :class:`Program`; MappingSyntaxError on any error."""
+    """Parse mapping source text into a :class:`Program`; MappingSyntaxError on any error.
+
+    A program parsed before, from the same text under the same label by the same code, is
+    loaded from the per-user cache (``cache.py``): parsing takes ~0.06 s for a preset of 130
+    lines, loading it ~0.002 s. Only programs that parse are kept; an error is found anew.
+    """
+    where = _cache.program_file(text, file)
+    if where is not None:
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # (many small objects: see grammar.parser)
+        try:
+            found = _cache.load(where)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        # The label is in the file's name too; a file that holds anything else is not used.
+        if type(found) is A.Program and found.file == file:
+            return found
+    program = _parse(text, file)
+    if where is not None:
+        with contextlib.suppress(Exception):  # a cache that cannot be written is no error
+            _cache.save(program, where)
+            _cache.prune_programs(os.path.dirname(where))
+    return program
+
+
+def _parse(text: str, file: str) -> A.Program:
     try:
         tree = grammar.parser().parse(text, start="start")
     except UnexpectedInput as exc:

@@ -1,0 +1,136 @@
+"""The rule language's per-user caches, kept between processes: the built parser (see
+``grammar.py``) and the parsed program of each mapping text (see ``parse.py``).
+
+Building the parser takes ~0.1 s, and parsing a mapping with it ~0.06 s for a preset of 130
+lines (lark's tree building, and the lexer's regular expressions compiled in each new
+process): most of a conversion that only renames. Loading either from a pickle takes a few
+milliseconds. Pickles run code when loaded, so the caches live only in a folder that this user
+owns and nobody else can write (never a shared temporary folder); every file is written to a
+temporary name and renamed into place, and one that does not load is removed.
+``WEIGHTMAP_PARSER_CACHE=0`` turns both off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import pickle
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import lark
+
+from weightmap.language.resources import read_text
+
+__all__ = ["folder", "load", "program_file", "prune_programs", "save"]
+
+# Parsed programs kept; past this many, the oldest go. A program is a few KB, and a user's
+# mappings are few; code that makes mapping texts by the thousand (tests) must not fill a disk.
+MAX_PROGRAMS = 256
+_PROGRAM_PREFIX = "program-"
+
+
+def folder() -> str | None:
+    """The cache folder (created, mode 0700), or None when caching is off or the folder is
+    not this user's alone."""
+    if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0" or not hasattr(os, "getuid"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "weightmap")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return None
+    return path
+
+
+def versions() -> str:
+    """The Python and lark versions, which a pickle of lark's objects depends on."""
+    return f"py{sys.version_info[0]}{sys.version_info[1]}-lark{lark.__version__}"
+
+
+def load(path: str) -> Any | None:
+    """The object pickled in ``path``, or None when there is none or it does not load (then
+    the file is removed, to be written again)."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception:  # a broken cache must never stop a conversion
+        pass
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return None
+
+
+def save(obj: object, path: str, dispatch_table: dict[Any, Any] | None = None) -> None:
+    """Write ``obj`` pickled to ``path`` whole or not at all (a temporary file, then a
+    rename). ``dispatch_table`` tells the pickler how to write objects it cannot by itself."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    if dispatch_table is not None:
+        pickler.dispatch_table = dispatch_table
+    pickler.dump(obj)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cache-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@lru_cache(maxsize=1)
+def _code_digest() -> str | None:
+    """A hash of everything a parsed program depends on: the grammar and the language
+    package's code (the parser and the classes a program is made of), so that a program parsed
+    by other code is never taken for this code's. None where the code cannot be read (an
+    installation without source files): then programs are not cached."""
+    sources = sorted(Path(__file__).parent.glob("*.py"))
+    if not sources:
+        return None
+    h = hashlib.sha256(versions().encode())
+    h.update(read_text("grammars", "weightmap.lark").encode())
+    for source in sources:
+        h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def program_file(text: str, file: str) -> str | None:
+    """Where the program parsed from ``text`` (errors and plans labelled ``file``) is kept, or
+    None when programs are not cached."""
+    where = folder()
+    code = _code_digest()
+    if where is None or code is None:
+        return None
+    # The label is part of the program (every location names its file).
+    h = hashlib.sha256(code.encode())
+    h.update(file.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return os.path.join(where, f"{_PROGRAM_PREFIX}{h.hexdigest()[:32]}.pickle")
+
+
+def prune_programs(where: str, keep: int | None = None) -> None:
+    """Past ``keep`` (default ``MAX_PROGRAMS``) parsed programs, remove the oldest (by when
+    they were written) down to three quarters of it, so that a run of new texts prunes once in
+    a while, not every time."""
+    keep = MAX_PROGRAMS if keep is None else keep
+    with contextlib.suppress(OSError):
+        found = [e for e in os.scandir(where) if e.name.startswith(_PROGRAM_PREFIX) and e.is_file()]
+        if len(found) <= keep:
+            return
+        found.sort(key=lambda e: e.stat().st_mtime_ns)
+        for entry in found[: len(found) - keep * 3 // 4]:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
