@@ -1,7 +1,7 @@
 """The floors: the targets weightmap is held to, each judged met or not, with the cause.
 
 A floor that is missed is reported, not hidden: its cause says what the figures show about why
-(fsync, getting the parser, the page cache, a noisy machine), in terms of the measured values.
+(fsync, reading the mapping, the page cache, a noisy machine), in terms of the measured values.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _rename_vs_cp(sizes: list[SizeResult]) -> Floor:
         cause = (
             "cp returns as soon as its copy sits in the page cache, while weightmap fsyncs the "
             f"output before moving it into place; and every weightmap run spends {fmt_s(parser)} "
-            f"getting its rule-language parser (at {small.nbytes / GB:.2f} GB: weightmap "
+            f"reading its mapping (at {small.nbytes / GB:.2f} GB: weightmap "
             f"{fmt_s(_med(small.rename, 'weightmap'))}, cp {fmt_s(_med(small.rename, 'cp'))}, "
             f"cp + fsync {fmt_s(_med(small.rename, 'cp+fsync'))}). Against cp + fsync, the "
             f"like-for-like copy: {_at(q_cpf, sizes)}."
@@ -198,8 +198,8 @@ def _rename_vs_naive(sizes: list[SizeResult]) -> Floor:
             "one memory copy, like cp, without an fsync; the 2x assumed a script that reads "
             "the model into memory first. It falls behind only once its unsynced writes pass "
             "the kernel's dirty threshold (see how time grows). Where the floor is missed, "
-            f"weightmap's time is mostly the copy, plus {fmt_s(_parser(sizes))} getting the "
-            "parser."
+            f"weightmap's time is mostly the copy, plus {fmt_s(_parser(sizes))} reading the "
+            "mapping."
         )
     return Floor(
         "rename at least 2x faster than naive", min(q_naive) >= 2, _at(q_naive, sizes), cause
@@ -222,9 +222,10 @@ def _inplace(sizes: list[SizeResult]) -> Floor:
     cause = ""
     if ip >= 0.05:
         cause = (
-            f"Of the first call, {fmt_ms(worst_ip.inplace.median('parser'))} is getting the "
-            "rule-language parser (building its LALR tables, or loading them from the per-user "
-            f"cache) and {fmt_ms(worst_ip.inplace.median('fsync'))} is fsync; the rewrite "
+            f"Of the first call, {fmt_ms(worst_ip.inplace.median('parser'))} is reading the "
+            "mapping (its parsed program loaded from the per-user cache, or the rule-language "
+            "parser got and the text parsed) and "
+            f"{fmt_ms(worst_ip.inplace.median('fsync'))} is fsync; the rewrite "
             f"itself takes {fmt_ms(second)} (second call)."
         )
     return Floor(
@@ -264,7 +265,7 @@ def _cast_cause(sizes: list[SizeResult], slower: list[Cast]) -> str:
         + "; ".join(
             f"{label} at {r.nbytes / GB:.2f} GB (medians: weightmap "
             f"{fmt_s(_med(g, 'weightmap'))}, of which {fmt_s(g['weightmap'].median('parser'))}"
-            f" getting the parser, naive {fmt_s(_med(g, 'naive'))}; fastest runs: weightmap "
+            f" reading the mapping, naive {fmt_s(_med(g, 'naive'))}; fastest runs: weightmap "
             f"{fmt_s(g['weightmap'].min('seconds'))}, naive {fmt_s(g['naive'].min('seconds'))})"
             for r, label, g in slower
         )
@@ -275,12 +276,12 @@ def _cast_cause(sizes: list[SizeResult], slower: list[Cast]) -> str:
             f"{min(sys_times):.2f} to {max(sys_times):.2f} s in system time for the same "
             "work), and the medians landed in different groups; see every run."
             if fast_mode and sys_times
-            else "Without getting the parser weightmap would be ahead; it takes "
+            else "Without reading the mapping weightmap would be ahead; it takes "
             f"{fmt_s(parser_torch)} in a process that has imported torch against "
             f"{fmt_s(_parser(sizes))} in one that has not (the garbage collector walks torch's "
-            "objects while the parser loads)."
+            "objects while the mapping loads)."
             if no_parser
-            else "weightmap is slower here even without getting its parser; see every run."
+            else "weightmap is slower here even without reading its mapping; see every run."
         )
     )
 
@@ -306,7 +307,7 @@ def _casts(sizes: list[SizeResult]) -> list[Cast]:
 
 
 def _parser(sizes: list[SizeResult]) -> float:
-    """Median seconds weightmap's rename spent getting its parser (no torch imported)."""
+    """Median seconds weightmap's rename spent reading its mapping (no torch imported)."""
     return statistics.median(r.rename["weightmap"].median("parser") for r in sizes)
 
 

@@ -63,7 +63,7 @@ def _time_text(sizes: list[SizeResult]) -> str:
     return (
         f"From {first.nbytes / GB:.2f} to {last.nbytes / GB:.2f} GB, weightmap's rename "
         f"{trend('weightmap')} "
-        f"(fixed costs, {fmt_s(parser)} of it getting the parser, are spread over more bytes), "
+        f"(fixed costs, {fmt_s(parser)} of it reading the mapping, are spread over more bytes), "
         f"cp's {trend('cp')} and "
         f"the naive script's {trend('naive')}."
         + (

@@ -187,14 +187,15 @@ def _method_tools(rename_kind: str) -> list[str]:
         "- Every weightmap job imports this checkout's `src/` (PYTHONPATH, checked in each "
         "job); a **before** column runs the commit given as `--baseline` the same way, side "
         "by side with the others, to show what a change did.",
-        "- weightmap builds the tables of its rule-language parser once and keeps them in a "
-        "per-user cache (`~/.cache/weightmap`); "
+        "- weightmap builds the tables of its rule-language parser once, parses each mapping "
+        "once, and keeps both in a per-user cache (`~/.cache/weightmap`); "
         + (
-            "`WEIGHTMAP_PARSER_CACHE=0` was set, so every run built them."
+            "`WEIGHTMAP_PARSER_CACHE=0` was set, so every run built the parser and parsed "
+            "its mapping."
             if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0"
             else "the warm-up runs fill it, so the figures are for a warm cache, as after a "
-            "user's first conversion. **of which parser** is the time spent getting the parser "
-            "(loading it, here)."
+            "user's first conversion with that mapping. **of which parsing** is the time spent "
+            "reading the mapping (loading its parsed program, here)."
         ),
         "- The out-of-place rename uses "
         + (
