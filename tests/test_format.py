@@ -37,6 +37,21 @@ MALFORMED: list[tuple[str, Any, bytes, str, str]] = [
         "nests deeper",
     ),
     ("not-object", b"[1, 2]", b"", "header-object", "not an object"),
+    # An object where an array belongs is no empty array, however the decoder reads objects.
+    (
+        "shape-object",
+        b'{"w": {"dtype": "U8", "shape": {}, "data_offsets": [0, 1]}}',
+        b"\0",
+        "shape",
+        "non-negative",
+    ),
+    (
+        "duplicate-key-in-entry",
+        b'{"w": {"dtype": "U8", "shape": [1], "dtype": "U8"}}',
+        b"\0",
+        "duplicate-name",
+        "'dtype' appears twice",
+    ),
     (
         "duplicate-name",
         b'{"w": '
@@ -344,3 +359,17 @@ def test_slotted_value_types_stay_frozen_and_travel_whole() -> None:
         back = pickle.loads(pickle.dumps(value))
         assert back == value and hash(back) == hash(value)
     assert pickle.loads(pickle.dumps(out)).spec.nbytes == 24
+
+
+def test_entry_keys_in_any_order(tmp_path: Path) -> None:
+    """Writers put an entry's keys as dtype, shape, data_offsets; any other order reads the
+    same (and a header with such entries reads as one written in the usual order)."""
+    orders = [("dtype", "shape", "data_offsets"), ("data_offsets", "dtype", "shape"),
+              ("shape", "data_offsets", "dtype")]  # fmt: skip
+    headers = []
+    for i, order in enumerate(orders):
+        a, b = entry("F32", [2, 3], 0, 24), entry("U8", [4], 24, 28)
+        raw = {"a": {k: a[k] for k in order}, "b": {k: b[k] for k in order}}
+        headers.append(read_header(write_raw(tmp_path / f"{i}.safetensors", raw, b"\0" * 28)))
+    assert all(h.tensors == headers[0].tensors for h in headers)
+    assert headers[0].tensors["a"].shape == (2, 3) and headers[0].tensors["b"].end == 28

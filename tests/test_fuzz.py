@@ -40,6 +40,7 @@ from strategies import (
     include_trees,
     index_docs,
     journal_docs,
+    mutated_json,
     mutated_programs,
     params_cases,
     set_values,
@@ -48,6 +49,7 @@ from strategies import (
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import FormatError, MappingError, WeightmapError
 from weightmap.execute.inplace import recover
+from weightmap.format import header as header_module
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.header import MAX_HEADER_SIZE, Header, parse_header, read_header
@@ -374,6 +376,26 @@ def test_fuzz_header_valid_ones_parse(workdir: Path, header: dict[str, Any]) -> 
     parsed = header_file_case(data, workdir)
     assert parsed is not None
     assert set(parsed.tensors) == set(header) - {"__metadata__"}
+
+
+@CI
+@given(raw=header_entries().flatmap(mutated_json))
+def test_fuzz_header_quick_decoding_agrees_with_the_strict_one(raw: bytes) -> None:
+    """The quick decoding of a plain header (objects as pairs, no Python call per object)
+    accepts nothing the strict decoding and its checks would not, with the same result."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return
+    escapes = "\\u" in text
+    with time_limit():
+        quick = header_module._quick_header(text, escapes)
+        try:
+            strict = header_module._plain_header(header_module._decode_json(text, "h"), escapes)
+        except FormatError:
+            strict = None
+    if quick is not None:
+        assert quick == strict
 
 
 @CI

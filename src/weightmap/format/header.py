@@ -191,15 +191,22 @@ def _entry_keys(entry: dict[str, Any], path: str, name: str) -> None:
 
 
 def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
-    """The common, valid entry in few steps (a header may list 100,000); None for anything
-    else, which ``_tensor`` then checks rule by rule to name what is wrong.
-
-    Accepts exactly what ``_tensor`` accepts: JSON gives plain dicts, lists and ints, and
-    ``type(x) is int`` leaves out ``true``, as ``_int_list`` does.
-    """
+    """The common, valid entry (a dict, as the strict decoder gives it) in few steps; None for
+    anything else, which ``_tensor`` then checks rule by rule to name what is wrong."""
     if type(entry) is not dict or entry.keys() != _TENSOR_KEYS:
         return None
-    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    return _plain_entry(name, entry["dtype"], entry["shape"], entry["data_offsets"])
+
+
+def _plain_entry(
+    name: str, dtype_name: object, shape: object, offsets: object
+) -> TensorInfo | None:
+    """The tensor of a valid entry's three values, or None for anything else (a header may
+    list 100,000 entries).
+
+    Accepts exactly what ``_tensor`` accepts: JSON gives plain lists and ints, and
+    ``type(x) is int`` leaves out ``true``, as ``_int_list`` does.
+    """
     dt = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dt is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
         return None
@@ -219,6 +226,72 @@ def _plain_tensor(name: str, entry: object) -> TensorInfo | None:
         return None
     # make_tuple: the named tuple's own __new__ is Python code, and this runs per tensor.
     return make_tuple(TensorInfo, (name, dtype_name, tuple(shape), begin, end))
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """An object of a header's JSON as its ``(name, value)`` pairs in order: what the quick
+    decoder makes of every object, at C speed (no Python call per object, as a duplicate check
+    would need), and never mistaken for a JSON array (``"shape": {}`` is no ``[]``)."""
+
+    __slots__ = ()
+
+
+class _NotPlain(Exception):
+    """The quick decoder met a constant (NaN, Infinity): the strict one says what is wrong."""
+
+
+def _constant(name: str) -> Any:
+    raise _NotPlain(name)
+
+
+# The entry of nearly every header: the keys in the order every writer puts them.
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+def _quick_header(
+    text: str, escapes: bool
+) -> tuple[dict[str, str] | None, list[TensorInfo]] | None:
+    """The metadata and tensors of a header that is valid JSON of all plain entries, decoded
+    without a Python call per object; None for anything else (not JSON, a constant, a name
+    twice, an entry out of the ordinary), which ``parse_header`` then decodes strictly to say
+    what, if anything, is wrong. Accepts what the strict decoding and ``_plain_header`` accept,
+    with the same result."""
+    try:
+        decoded = json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant)
+    except (ValueError, RecursionError, _NotPlain):
+        return None
+    if type(decoded) is not _Pairs or len(dict(decoded)) != len(decoded):
+        return None  # not an object, or a name that comes twice
+    metadata: dict[str, str] | None = None
+    infos: list[TensorInfo] = []
+    append = infos.append
+    for name, entry in decoded:
+        if escapes and not is_utf8(name):
+            return None
+        if type(entry) is not _Pairs:
+            return None
+        if name == "__metadata__":
+            meta = dict(entry)
+            if len(meta) != len(entry) or not all(type(v) is str for v in meta.values()):
+                return None
+            if escapes and not all(is_utf8(k) and is_utf8(v) for k, v in meta.items()):
+                return None
+            metadata = meta
+            continue
+        if len(entry) != 3:
+            return None
+        (k0, v0), (k1, v1), (k2, v2) = entry
+        if k0 == "dtype" and k1 == "shape" and k2 == "data_offsets":
+            info = _plain_entry(name, v0, v1, v2)
+        else:  # the three keys in another order, or not the three keys
+            fields = dict(entry)
+            if fields.keys() != _TENSOR_KEYS:
+                return None
+            info = _plain_entry(name, fields["dtype"], fields["shape"], fields["data_offsets"])
+        if info is None:
+            return None
+        append(info)
+    return metadata, infos
 
 
 def _plain_header(
@@ -363,8 +436,12 @@ def parse_header(
     :class:`FormatError` for the first rule the header breaks.
     """
     text = _decode_text(raw, path)
-    decoded = _decode_json(text, path)
-    parsed = _plain_header(decoded, "\\u" in text)
+    escapes = "\\u" in text
+    # Nearly every header is plain: decoded quickly, the strict decoding only where it is not.
+    parsed = _quick_header(text, escapes)
+    if parsed is None:
+        decoded = _decode_json(text, path)
+        parsed = _plain_header(decoded, escapes)
     if parsed is None:
         # Something is not plain: check it all, in order, for the first rule it breaks.
         _check_nesting(text, path)
