@@ -74,6 +74,9 @@ class _Compiler:
         self.problems.report(loc, message)
 
     def check_unique_inputs(self) -> None:
+        # The names made a set at C speed; only where one came twice is it looked for.
+        if len({spec.name for spec in self.inputs}) == len(self.inputs):
+            return
         seen: set[str] = set()
         for spec in self.inputs:
             if spec.name in seen:
@@ -255,8 +258,11 @@ def run_rules(
     gone: dict[str, A.Loc] = {}  # input name -> the rule that last took a tensor made from it
     for r, rule in enumerate(rules):
         taken = ws.take(r)
-        found = {m.pattern_index for _i, m in taken}
-        missing = [p for i, p in enumerate(rule.patterns) if i not in found]
+        if len(rule.patterns) == 1:  # most rules: one pattern, found if anything was taken
+            missing = [] if taken else list(rule.patterns)
+        else:
+            found = {m.pattern_index for _i, m in taken}
+            missing = [p for i, p in enumerate(rule.patterns) if i not in found]
         if missing:
             _nothing(ws, rule, r, missing, c.report)
         if not taken:

@@ -37,7 +37,8 @@ def stale_dtype_fields(
     Only when a rule cast some tensor and every floating-point output now has one dtype; a
     field the mapping set itself is the mapping's decision.
     """
-    cast = next((o for o in outputs if _casts(o.node)), None)
+    # (A renamed or kept input, most outputs of most plans, is no cast: seen without a call.)
+    cast = next((o for o in outputs if type(o.node) is not Source and _casts(o.node)), None)
     if after is None or cast is None:
         return []
     floats = {o.node.dtype for o in outputs if o.node.dtype in _CONFIG_NAMES}
