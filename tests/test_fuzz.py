@@ -40,6 +40,7 @@ from strategies import (
     include_trees,
     index_docs,
     journal_docs,
+    json_values,
     mutated_json,
     mutated_programs,
     params_cases,
@@ -54,6 +55,7 @@ from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.header import MAX_HEADER_SIZE, Header, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.text import json_depth
 from weightmap.language.mapping import Mapping, load_mapping
 from weightmap.plan.plan import Plan
 
@@ -396,6 +398,23 @@ def test_fuzz_header_quick_decoding_agrees_with_the_strict_one(raw: bytes) -> No
             strict = None
     if quick is not None:
         assert quick == strict
+
+
+def _depth(value: Any) -> int:
+    """json_depth's definition, recursively: a scalar 1, a container one more than its
+    deepest item (an empty one 1)."""
+    items = value.values() if isinstance(value, dict) else value
+    if not isinstance(value, dict | list) or not items:
+        return 1
+    return 1 + max(_depth(v) for v in items)
+
+
+@CI
+@given(value=json_values(40), limit=st.integers(1, 6))
+def test_fuzz_json_depth_is_the_depth(value: Any, limit: int) -> None:
+    found = json_depth(value, 64)
+    assert found == _depth(value)
+    assert (json_depth(value, limit) > limit) == (found > limit)
 
 
 @CI

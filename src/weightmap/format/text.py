@@ -67,6 +67,10 @@ def is_utf8(text: str) -> bool:
     return _LONE_SURROGATE.search(text) is None
 
 
+# The types of JSON's scalars as json.loads gives them.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def json_depth(value: object, limit: int) -> int:
     """Nesting depth of a decoded JSON value, stopping early once past ``limit``.
 
@@ -82,7 +86,9 @@ def json_depth(value: object, limit: int) -> int:
             items = item.values() if isinstance(item, dict) else item
             if items:
                 depth = n + 1
-                below.extend(v for v in items if isinstance(v, dict | list))
+                # The items' types looked through at C speed first: most hold no container.
+                if not _SCALARS.issuperset(map(type, items)):
+                    below.extend(v for v in items if isinstance(v, dict | list))
         level, n = below, n + 1
     return depth
 
