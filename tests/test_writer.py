@@ -7,10 +7,12 @@ import random
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
@@ -19,7 +21,7 @@ from weightmap.format.atomic import TMP_MARKER
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
-from weightmap.format.writer import CheckpointWriter
+from weightmap.format.writer import CheckpointWriter, _index_text
 
 
 def _spec(name: str, t: torch.Tensor) -> TensorSpec:
@@ -84,6 +86,26 @@ def test_hypothesis_matches_reference(
     for k, t in tensors.items():
         assert back[k].dtype == t.dtype and back[k].shape == t.shape
         assert _raw(back[k]) == _raw(t)
+
+
+_ODD = st.text(
+    st.one_of(st.characters(), st.sampled_from(["\ud800", "\udfff", '"', "\\", "\n", "\x00"])),
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weight_map=st.dictionaries(_ODD, _ODD, max_size=8),
+    total=st.integers(0, 2**64),
+)
+def test_index_text_is_the_indented_json(weight_map: dict[str, str], total: int) -> None:
+    """The index as ``json.dumps(index, indent=2, sort_keys=True)`` writes it, whatever the
+    names hold (quotes, backslashes, control characters, non-ASCII, lone surrogates)."""
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    want = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    assert _index_text(total, weight_map) == want
+    assert _index_text(total, MappingProxyType(weight_map)) == want
 
 
 def test_sharded_round_trip(tmp_path: Path) -> None:
