@@ -270,8 +270,7 @@ def run_rules(
         if rule.op == "keep" and not rule.outputs:
             # The common catch-all (`keep "**"`, `unmatched`-like keeps): each tensor goes on
             # as it is, with no new name, node or template to evaluate.
-            for item, _m in taken:
-                ws.pass_on(item, r)
+            ws.pass_on_all(taken, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
         if rule.op in ("merge", "stack") or (rule.op in ("add", "mul") and len(rule.patterns) > 1):
@@ -343,11 +342,10 @@ class _Step:
         the most common plan there is."""
         ws, r, loc = self.ws, self.r, self.rule.loc
         render = tensor_namer(self.rule.outputs[0], self.scope) if self.rule.outputs else None
-        # ws.put and ws.record, inlined for an output whose name is free: straight to the end
-        # of the rules where this is the last rule that could take it, else routed on.
-        alive, final, history = ws.alive, ws.final, ws.taken
-        below = r + 1
-        last = below >= len(ws.buckets)
+        # ws.put and ws.record, inlined for an output whose name is free: routed on to the
+        # rules below (or straight to the end after the last rule).
+        alive, history = ws.alive, ws.taken
+        send = ws.sender(r + 1)
         for item, m in taken:
             spec = item.spec
             problems.tensor = spec.name  # a problem now is about this tensor
@@ -367,10 +365,7 @@ class _Step:
                 ws.put(out, r)  # a collision, which put reports
             else:
                 alive[name] = out
-                if last:
-                    final.append(out)
-                else:
-                    ws.place(out, below)
+                send(out)
             history[spec.name] = (loc, name)
         problems.tensor = None
 
@@ -392,8 +387,10 @@ class _Step:
             build_group(self.rule, members, [m for _i, m in taken], self.scope, emit, self.report)
         except LocatedProblem as p:  # the member scheme, or an output name's template
             self.report(p.loc, p.message)
+        # ws.record for each member, inlined: a stack takes every expert of a checkpoint.
+        history, loc = self.ws.taken, self.rule.loc
         for item, _m in taken:
-            self.ws.record(item.spec.name, self.rule.loc, made.get(id(item), ""))
+            history[item.spec.name] = (loc, made.get(id(item), ""))
 
 
 def _nothing(

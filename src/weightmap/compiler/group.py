@@ -13,7 +13,8 @@ All other captures form the group key, and the output template names the group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from weightmap.compiler.arith import binary_node
@@ -149,9 +150,10 @@ def build_group(
 ) -> None:
     """Group ``matches`` and emit one Concat/Stack per complete, well-shaped group."""
     groups: dict[tuple[Any, ...], dict[Any, Match]] = {}
-    for m in matches:
-        key = tuple(m.caps[k] for k in members.key)
-        groups.setdefault(key, {})[members.member(m)] = m
+    key_of = _key_of(members.key)
+    member = members.member
+    for m in matches:  # one per tensor of the group's rule: a stack takes every expert
+        groups.setdefault(key_of(m.caps), {})[member(m)] = m
     tmpl = compile_template(rule.outputs[0])
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))
@@ -171,6 +173,16 @@ def build_group(
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
             report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
+
+
+def _key_of(names: Sequence[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """The tuple of the captures ``names`` of a match's captures, read at C speed."""
+    if len(names) == 1:
+        get = operator.itemgetter(names[0])
+        return lambda caps: (get(caps),)
+    if not names:
+        return lambda caps: ()
+    return operator.itemgetter(*names)
 
 
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:

@@ -80,10 +80,14 @@ def _captures(
 
         return two
 
+    as_ints = [n for n, i in zip(names, ints, strict=True) if i]
+
     def many(m: re.Match[str]) -> dict[str, Any]:
-        return {
-            n: int(v) if i else v for n, v, i in zip(names, m.group(*numbers), ints, strict=True)
-        }
+        # The dict made at C speed, then the few int captures converted.
+        found = dict(zip(names, m.group(*numbers), strict=True))
+        for n in as_ints:
+            found[n] = int(found[n])
+        return found
 
     return many
 
@@ -102,7 +106,9 @@ def _single(p: A.Pattern) -> re.Pattern[str]:
 
 Filter = Callable[[TensorSpec, dict[str, Any]], bool]
 _Captures = Callable[[re.Match[str]], dict[str, Any]]
-MatchParts = tuple[Callable[[str], "re.Match[str] | None"], dict[int, int], list[_Captures]]
+MatchParts = tuple[
+    Callable[[str], "re.Match[str] | None"], dict[int, int], list[_Captures], list[Filter | None]
+]
 
 
 @dataclass
@@ -136,15 +142,14 @@ class Matcher:
             self._fast.append(_captures(caps, numbers))
             self._singles.append(_single(alt.pattern))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
+        self._accepts = [a.accept for a in self.alternatives]
 
-    def unfiltered(self) -> MatchParts | None:
+    def parts(self) -> MatchParts:
         """What ``match`` does, in parts, for a caller that matches many names in one loop:
-        ``(fullmatch, alternative of each outer group, captures of each alternative)``, where
-        no alternative has a filter (the first that matches the name is then the match);
-        None where one has."""
-        if any(a.accept is not None for a in self.alternatives):
-            return None
-        return self._combined.fullmatch, self._outer, self._fast
+        ``(fullmatch, alternative of each outer group, captures of each alternative, filter
+        of each alternative)``. The first alternative that matches the name is the match
+        where it has no filter; where it has one, ``match`` says which is."""
+        return self._combined.fullmatch, self._outer, self._fast, self._accepts
 
     def match(self, spec: TensorSpec) -> tuple[int, dict[str, Any]] | None:
         """``(alternative, captures)`` for the tensor ``spec``, or None.

@@ -121,42 +121,41 @@ class WorkingSet:
 
     def start(self, inputs: Sequence[TensorSpec]) -> None:
         """Put the inputs in the set, each on its way to the first rule that takes it."""
-        # What place does for each input, with the matcher and the lists looked up once:
-        # this loop runs once per tensor of the checkpoint. (With no rules, the matcher
-        # matches nothing and every input goes to the end.)
-        alive, final, buckets = self.alive, self.final, self.buckets
-        matcher = self.router.matcher(0)
-        match, owners = matcher.match, matcher.owners
-        # Where no rule has a filter (the common mapping), Matcher.match's steps are taken
-        # here, in this loop: nothing to accept and no filter to fail.
-        parts = matcher.unfiltered()
-        fullmatch, outer, captures = parts if parts is not None else (None, {}, [])
+        alive = self.alive
+        send = self.sender(0)
         for i, spec in enumerate(inputs):
             name = spec.name
             if name in alive:
                 continue  # duplicate input names are reported by the compiler
-            node = Source.of(name, spec.dtype, spec.shape)
-            item = alive[name] = Item(spec, node, i)
-            if fullmatch is not None:
-                found = fullmatch(name)
-                if found is None:
-                    final.append(item)
-                    continue
-                k = outer[found.lastindex or 0]
-                caps = captures[k](found)
-            else:
-                try:
-                    hit = match(spec)
-                except _FilterError as err:
-                    self._filter_failed(item, err)
-                    continue
-                if hit is None:
-                    final.append(item)
-                    continue
-                k, caps = hit
+            item = alive[name] = Item(spec, Source.of(name, spec.dtype, spec.shape), i)
+            send(item)
+
+    def sender(self, start: int) -> Callable[[Item], None]:
+        """``place(item, start)`` as one function, for a loop that sends many items on from the
+        same rule (every input at the start; every tensor a rename or keep takes): the matcher
+        looked up once, and an item whose match has no filter routed without a further call."""
+        if start >= len(self.buckets):
+            return self.final.append
+        matcher = self.router.matcher(start)
+        fullmatch, outer, captures, accepts = matcher.parts()
+        owners, buckets, final, place = matcher.owners, self.buckets, self.final, self.place
+
+        def send(item: Item) -> None:
+            spec = item.spec
+            found = fullmatch(spec.name)
+            if found is None:
+                final.append(item)
+                return
+            k = outer[found.lastindex or 0]
+            if accepts[k] is not None:  # a filter to apply, or a later pattern: match decides
+                place(item, start)
+                return
             rule, pattern_index = owners[k]
             # (make_tuple: Match's own __new__ is Python code; this runs per tensor.)
-            buckets[rule].append((item, make_tuple(Match, (spec, node, caps, pattern_index))))
+            match = make_tuple(Match, (spec, item.node, captures[k](found), pattern_index))
+            buckets[rule].append((item, match))
+
+        return send
 
     def place(self, item: Item, start: int) -> None:
         """Send ``item`` to the first rule from ``start`` that takes it, or to the end."""
@@ -199,6 +198,19 @@ class WorkingSet:
             item.origin = self.router.rules[r].loc
         self.alive[item.spec.name] = item
         self.place(item, r + 1)
+
+    def pass_on_all(self, taken: Sequence[tuple[Item, Match]], r: int) -> None:
+        """``pass_on`` for everything rule ``r`` took, in one loop (``keep "**"`` takes what is
+        left of a checkpoint)."""
+        loc = self.router.rules[r].loc
+        alive = self.alive
+        send = self.sender(r + 1)
+        for item, _m in taken:
+            item.touched = True
+            if item.origin is None:
+                item.origin = loc
+            alive[item.spec.name] = item
+            send(item)
 
     def record(self, name: str, rule: A.Loc, became: str) -> None:
         """Remember that ``rule`` took ``name`` and made ``became`` of it ("" for nothing)."""
