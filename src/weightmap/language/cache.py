@@ -27,7 +27,7 @@ import lark
 
 from weightmap.language.resources import read_text
 
-__all__ = ["folder", "load", "program_file", "prune_programs", "save"]
+__all__ = ["folder", "load", "program_file", "prune_programs", "save", "versions"]
 
 # Parsed programs kept; past this many, the oldest go. A program is a few KB, and a user's
 # mappings are few; code that makes mapping texts by the thousand (tests) must not fill a disk.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
-import gc
 import hashlib
 import importlib
 import os
@@ -19,6 +18,7 @@ from typing import Any
 from lark import Lark
 from lark.parsers import lalr_analysis
 
+from weightmap.format.gcpause import gc_paused
 from weightmap.language import cache as _cache
 from weightmap.language.resources import read_text
 
@@ -100,13 +100,8 @@ def parser() -> Lark:
     if cache is not None:
         # Unpickling the tables allocates many objects; with torch imported, the collector
         # walking torch's objects meanwhile would cost several times the load itself.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             loaded = _load(cache)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         if loaded is not None:
             return loaded
     built = Lark(grammar, **_OPTIONS)

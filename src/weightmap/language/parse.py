@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import gc
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from typing import Any, NoReturn
 from lark import Token, Tree
 from lark.exceptions import LarkError, UnexpectedInput
 
+from weightmap.format.gcpause import gc_paused
 from weightmap.language import ast as A
 from weightmap.language import cache as _cache
 from weightmap.language import grammar
@@ -440,13 +440,8 @@ def parse_program(text: str, file: str = "<string>") -> A.Program:
     """
     where = _cache.program_file(text, file)
     if where is not None:
-        gc_was_enabled = gc.isenabled()
-        gc.disable()  # (many small objects: see grammar.parser)
-        try:
+        with gc_paused():  # (many small objects, no cycles: see format/gcpause.py)
             found = _cache.load(where)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         # The label is in the file's name too; a file that holds anything else is not used.
         if type(found) is A.Program and found.file == file:
             return found
