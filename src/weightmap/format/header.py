@@ -109,7 +109,7 @@ def _decode_json(text: str, path: str) -> Any:
     nesting first, so that the error is the one a scan before decoding would give.
 
     The nesting scan costs as much as the decoding, so it runs only where it can matter: on
-    a failure here, or (``parse_header``) on a header that is not all plain tensor entries.
+    a failure here, or (``_checked_header``) on a header that is not all plain tensor entries.
     The decoder itself is safe on deep nesting: it raises ``RecursionError``.
     """
 
@@ -253,9 +253,9 @@ def _quick_header(
 ) -> tuple[dict[str, str] | None, list[TensorInfo]] | None:
     """The metadata and tensors of a header that is valid JSON of all plain entries, decoded
     without a Python call per object; None for anything else (not JSON, a constant, a name
-    twice, an entry out of the ordinary), which ``parse_header`` then decodes strictly to say
-    what, if anything, is wrong. Accepts what the strict decoding and ``_plain_header`` accept,
-    with the same result."""
+    twice, an entry out of the ordinary), which ``_checked_header`` then decodes strictly to
+    say what, if anything, is wrong. What it accepts, ``_checked_header`` accepts with the same
+    result."""
     try:
         decoded = json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant)
     except (ValueError, RecursionError, _NotPlain):
@@ -291,33 +291,6 @@ def _quick_header(
         if info is None:
             return None
         append(info)
-    return metadata, infos
-
-
-def _plain_header(
-    decoded: object, escapes: bool
-) -> tuple[dict[str, str] | None, list[TensorInfo]] | None:
-    """The metadata and tensors of a header that is all plain entries, or None for anything
-    else. Raises nothing: ``parse_header`` then checks every rule in order. ``escapes`` is
-    whether the text has ``\\u`` escapes, the only way a lone surrogate gets into a name."""
-    if type(decoded) is not dict:
-        return None
-    metadata: dict[str, str] | None = None
-    infos: list[TensorInfo] = []
-    for name, entry in decoded.items():
-        if escapes and not is_utf8(name):
-            return None
-        if name == "__metadata__":
-            if type(entry) is not dict or not all(type(v) is str for v in entry.values()):
-                return None
-            if escapes and not all(is_utf8(k) and is_utf8(v) for k, v in entry.items()):
-                return None
-            metadata = entry
-            continue
-        info = _plain_tensor(name, entry)
-        if info is None:
-            return None
-        infos.append(info)
     return metadata, infos
 
 
@@ -427,6 +400,23 @@ def _check_layout(infos: list[TensorInfo], header_size: int, file_size: int, pat
         )
 
 
+def _checked_header(text: str, path: str) -> tuple[dict[str, str] | None, list[TensorInfo]]:
+    """The metadata and tensors of a header that is not plain, every rule checked in order:
+    the first it breaks is the ``FormatError`` raised."""
+    decoded = _decode_json(text, path)
+    _check_nesting(text, path)
+    if not isinstance(decoded, dict):
+        raise _fail(path, "header-object", "header JSON is not an object")
+    metadata: dict[str, str] | None = None
+    infos: list[TensorInfo] = []
+    for name, entry in decoded.items():
+        if name == "__metadata__":
+            metadata = _metadata(entry, path)
+        else:
+            infos.append(_tensor(name, entry, path))
+    return metadata, infos
+
+
 def parse_header(
     raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
 ) -> Header:
@@ -436,24 +426,9 @@ def parse_header(
     :class:`FormatError` for the first rule the header breaks.
     """
     text = _decode_text(raw, path)
-    escapes = "\\u" in text
-    # Nearly every header is plain: decoded quickly, the strict decoding only where it is not.
-    parsed = _quick_header(text, escapes)
-    if parsed is None:
-        decoded = _decode_json(text, path)
-        parsed = _plain_header(decoded, escapes)
-    if parsed is None:
-        # Something is not plain: check it all, in order, for the first rule it breaks.
-        _check_nesting(text, path)
-        if not isinstance(decoded, dict):
-            raise _fail(path, "header-object", "header JSON is not an object")
-        parsed = None, []
-        for name, entry in decoded.items():
-            if name == "__metadata__":
-                parsed = _metadata(entry, path), parsed[1]
-            else:
-                parsed[1].append(_tensor(name, entry, path))
-    metadata, infos = parsed
+    # Nearly every header is plain: decoded quickly, and checked strictly only where it is not.
+    parsed = _quick_header(text, "\\u" in text)
+    metadata, infos = parsed if parsed is not None else _checked_header(text, path)
     infos.sort(key=_BY_OFFSETS)
     _check_layout(infos, header_size, file_size, path)
     return Header(
