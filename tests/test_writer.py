@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import random
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.atomic import TMP_MARKER
+from weightmap.format.atomic import TMP_MARKER, _renameat2
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
@@ -187,6 +188,26 @@ def test_existing_destination_refused_then_overwritten(tmp_path: Path) -> None:
     assert (dest / "keep.txt").read_text() == "old"
     write_tensors(dest, {"a": torch.ones(1)}, overwrite=True)
     assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]
+    assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
+
+
+def test_commits_look_renameat2_up_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C library's renameat2 is found once per process, not by running ldconfig (what
+    ``ctypes.util.find_library`` does) on every commit; new folders and overwrites both work
+    with it."""
+    _renameat2.cache_clear()
+    write_tensors(tmp_path / "first", {"a": torch.zeros(1)})
+    looked_up = _renameat2()
+
+    def no_subprocess(name: str) -> str | None:
+        raise AssertionError(f"find_library({name!r}) ran during a commit")
+
+    monkeypatch.setattr(ctypes.util, "find_library", no_subprocess)
+    dest = tmp_path / "out"
+    write_tensors(dest, {"a": torch.zeros(1)})
+    write_tensors(dest, {"a": torch.ones(1)}, overwrite=True)  # the RENAME_EXCHANGE path
+    assert load_file(dest / "model.safetensors")["a"].tolist() == [1.0]
+    assert _renameat2() is looked_up
     assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
 
 

@@ -13,11 +13,13 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import functools
 import os
 import re
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "RENAME_EXCHANGE",
@@ -134,13 +136,32 @@ RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+@functools.cache
+def _renameat2() -> Any | None:
+    """libc's renameat2, looked up once: None where the C library has none.
+
+    The symbols the interpreter already has loaded (libc among them) are searched first:
+    ``ctypes.util.find_library`` runs ``ldconfig`` in a subprocess, a few milliseconds that
+    every commit would otherwise pay again.
+    """
+    fn = _symbol(None, "renameat2")
+    if fn is None:
+        libc = ctypes.util.find_library("c")
+        fn = _symbol(libc, "renameat2") if libc is not None else None
+    return fn
+
+
+def _symbol(library: str | None, name: str) -> Any | None:
+    """``name`` in ``library`` (None: what the process has loaded), or None."""
+    try:
+        return getattr(ctypes.CDLL(library, use_errno=True), name, None)
+    except OSError:  # no such library
+        return None
+
+
 def renameat2(src: Path, dst: Path, flags: int) -> bool:
     """Linux renameat2; False where unavailable (other systems, old kernels, some filesystems)."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
+    fn = _renameat2()
     if fn is None:
         return False
     rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
