@@ -68,6 +68,23 @@ def test_shared_folder_is_not_trusted(cache_home: Path) -> None:
     assert list(folder.iterdir()) == []
 
 
+def test_cache_file_others_could_write_is_not_loaded(cache_home: Path) -> None:
+    """A pickle runs code when loaded: a cache file that another user owns or could have
+    written is left alone, even in a folder that passes the folder's checks."""
+    folder = cache_home / "weightmap"
+    folder.mkdir(mode=0o700)
+    planted = folder / "program-planted.pickle"
+    planted.write_bytes(pickle.dumps(("would", "load")))
+    assert language_cache.load(str(planted)) == ("would", "load")  # ours, 0644: trusted
+    os.chmod(planted, 0o666)
+    assert language_cache.load(str(planted)) is None
+    assert planted.exists()  # not removed either: it is not a broken file of ours
+    os.chmod(planted, 0o644)
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(planted, 12345, 12345)
+        assert language_cache.load(str(planted)) is None
+
+
 def test_cache_can_be_turned_off(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIGHTMAP_PARSER_CACHE", "0")
     _parses()

@@ -59,9 +59,17 @@ def versions() -> str:
 
 def load(path: str) -> Any | None:
     """The object pickled in ``path``, or None when there is none or it does not load (then
-    the file is removed, to be written again)."""
+    the file is removed, to be written again).
+
+    The file itself must be this user's and writable by nobody else, as the folder must be:
+    checked on the open file, so that a file swapped in after ``folder`` looked (through a
+    parent folder others can write, a link) is never unpickled.
+    """
     try:
         with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                return None  # not ours to trust, and not ours to remove either
             return pickle.load(f)
     except FileNotFoundError:
         return None
