@@ -78,11 +78,41 @@ def test_cache_file_others_could_write_is_not_loaded(cache_home: Path) -> None:
     assert language_cache.load(str(planted)) == ("would", "load")  # ours, 0644: trusted
     os.chmod(planted, 0o666)
     assert language_cache.load(str(planted)) is None
-    assert planted.exists()  # not removed either: it is not a broken file of ours
+    assert planted.exists()  # refused, not taken for a broken file of ours and removed
     os.chmod(planted, 0o644)
     if os.getuid() == 0:  # only root can give a file away
         os.chown(planted, 12345, 12345)
         assert language_cache.load(str(planted)) is None
+        os.chown(planted, 0, 0)
+    # Links to a file of ours elsewhere (a downloaded pickle, say): neither kind is followed.
+    elsewhere = cache_home / "elsewhere.bin"
+    planted.rename(elsewhere)
+    assert language_cache.load(str(elsewhere)) == ("would", "load")
+    planted.symlink_to(elsewhere)
+    assert language_cache.load(str(planted)) is None
+    planted.unlink()
+    os.link(elsewhere, planted)
+    assert language_cache.load(str(planted)) is None
+    planted.unlink()
+    os.mkfifo(planted)  # not a file: refused without waiting for a writer
+    assert language_cache.load(str(planted)) is None
+    # A refused file is replaced by the next save, with a private file of the cache's own.
+    language_cache.save(("fresh",), str(planted))
+    assert language_cache.load(str(planted)) == ("fresh",)
+    assert planted.stat().st_mode & 0o777 == 0o600
+
+
+def test_cache_folder_that_is_a_link_is_not_used(cache_home: Path) -> None:
+    """A link in the cache folder's place is not followed: caches would be written, and old
+    programs pruned, wherever it points."""
+    target = cache_home / "somewhere"
+    target.mkdir(mode=0o700)
+    (target / "program-0.pickle").write_bytes(b"a file of the user's")
+    (cache_home / "weightmap").symlink_to(target)
+    assert language_cache.folder() is None
+    assert grammar.cache_file("grammar") is None
+    _parses()
+    assert [p.name for p in target.iterdir()] == ["program-0.pickle"]
 
 
 def test_cache_can_be_turned_off(cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 import sys
 import tempfile
 from functools import lru_cache
@@ -44,12 +45,19 @@ def folder() -> str | None:
     path = os.path.join(base, "weightmap")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
+        # lstat: the folder itself, not what a link put in its place points to (pruning
+        # would otherwise remove files wherever the link leads).
+        st = os.lstat(path)
     except OSError:
         return None
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+    if not _private(st) or not stat.S_ISDIR(st.st_mode):
         return None
     return path
+
+
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user and writable by nobody else."""
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def versions() -> str:
@@ -61,18 +69,22 @@ def load(path: str) -> Any | None:
     """The object pickled in ``path``, or None when there is none or it does not load (then
     the file is removed, to be written again).
 
-    The file itself must be this user's and writable by nobody else, as the folder must be:
-    checked on the open file, so that a file swapped in after ``folder`` looked (through a
-    parent folder others can write, a link) is never unpickled.
+    The file itself must be a regular file of this user's, writable by nobody else, and no
+    link (symbolic or hard) to a file elsewhere: checked on the open file, so that a file
+    swapped in after ``folder`` looked is never unpickled. Such a file is left for ``save``
+    to replace.
     """
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if st.st_uid != os.getuid() or st.st_mode & 0o022:
-                return None  # not ours to trust, and not ours to remove either
-            return pickle.load(f)
-    except FileNotFoundError:
+        # NOFOLLOW: a symbolic link fails (ELOOP); NONBLOCK: a FIFO does not hang the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # none there, a link, or unreadable
         return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not _private(st) or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return None
+            return pickle.load(f)
     except Exception:  # a broken cache must never stop a conversion
         pass
     with contextlib.suppress(OSError):
