@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import json
 import os
+import secrets
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,12 +67,26 @@ class Journal:
 
 
 def _replace_small(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-inplace")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Replace ``path`` with ``data`` whole or not at all: written and fsynced under a new
+    temporary name, then renamed over it (a link at ``path`` is replaced, not followed).
+
+    The temporary file is created, never opened through whatever has its name: a downloaded
+    folder may hold links named like our temporaries, pointing at files outside it, and
+    ``weightmap clean`` replays a journal found in such a folder.
+    """
+    token = secrets.token_hex(4)
+    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{token}-inplace")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def inplace_headers(plan: Plan, ckpt: Checkpoint) -> dict[Path, bytes]:
@@ -227,14 +243,17 @@ def _check_writable(root: Path, journal: Journal, what: str) -> None:
     problems: list[str] = []
     for path in journal.files:
         try:
-            os.close(os.open(path, os.O_WRONLY))
+            # NONBLOCK: a FIFO in a shard's place must not hang us under the folder's lock.
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
         except OSError as exc:
             problems.append(f"{path.name} ({exc.strerror})")
     for name, text in ((INDEX_NAME, journal.index), (CONFIG_NAME, journal.config)):
         if text is None or not (root / name).exists():
             continue
         try:
-            os.close(os.open(root / name, os.O_WRONLY))
+            # The entry itself, as the rename will replace it: a link is not followed (ELOOP)
+            # and a FIFO does not block (ENXIO); only EPERM (immutable) stops the rename.
+            os.close(os.open(root / name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
         except OSError as exc:
             if exc.errno == errno.EPERM:
                 problems.append(f"{name} ({exc.strerror})")
@@ -303,6 +322,15 @@ def _journal_header(
     shown = str(name)[:80]
     if not str(name).endswith(".safetensors") or not path.is_file():
         raise _refuse(journal_path, f"{shown!r} is not a safetensors shard of this checkpoint")
+    if path.resolve().parent != root.resolve():
+        # A hub cache's link into blobs/ reads fine, but an in-place rename never rewrites one
+        # (the blob is named by its content, and every revision holding it shares it), so no
+        # journal of ours names one.
+        raise _refuse(
+            journal_path,
+            f"{shown!r} is a link to {path.resolve()}, outside the checkpoint's folder, which an "
+            "in-place rename never rewrites",
+        )
     if not isinstance(b64, str):
         raise _refuse(journal_path, f"the header for {shown!r} is not a base64 string")
     try:
