@@ -1093,3 +1093,167 @@ def test_a_long_string_literal_parses_in_small_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 12 * 2**20, peak
+
+
+# ---------------------------------------------------------------- 17. links a folder plants
+
+
+def _inplace_mapping() -> str:
+    return 'weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\nunmatched keep\n'
+
+
+def test_inplace_temporaries_never_write_through_a_planted_link(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A downloaded folder may hold links named like the temporaries an in-place rename
+    writes the journal and config through: the temporaries are created under fresh names,
+    never opened through what is there."""
+    import secrets
+
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious data, never to be touched")
+    pid = os.getpid()
+    for name in ("config.json", JOURNAL_NAME, "model.safetensors.index.json"):
+        (ckpt / f".{name}.weightmap-tmp-{pid}-inplace").symlink_to(victim)  # the old fixed name
+    mapping = tmp_path / "m.wm"
+    mapping.write_text(_inplace_mapping())
+    weightmap.remap(ckpt, mapping=mapping, inplace=True)
+    assert victim.read_bytes() == b"precious data, never to be touched"
+    with weightmap.Checkpoint.open(ckpt) as c:
+        assert "midlayer.mlp.up_proj.weight" in c.tensors
+
+    # Even a link at the very name drawn is not written through: the rename stops first.
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "feedbeef")
+    (ckpt / f".{JOURNAL_NAME}.weightmap-tmp-{pid}-feedbeef-inplace").symlink_to(victim)
+    mapping.write_text('weightmap 1\nrename "midlayer.{r*}" -> "layers.0.{r}"\nunmatched keep\n')
+    before = _hashes(ckpt)
+    with pytest.raises(weightmap.ExecutionError, match="cannot write the journal"):
+        weightmap.remap(ckpt, mapping=mapping, inplace=True)
+    assert victim.read_bytes() == b"precious data, never to be touched"
+    assert _hashes(ckpt) == before
+
+
+def test_clean_never_writes_a_journal_config_through_a_planted_link(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import secrets
+
+    from weightmap.compiler.compile import compile_plan
+    from weightmap.execute.inplace import inplace_headers
+    from weightmap.language.mapping import load_mapping
+
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious data, never to be touched")
+    with weightmap.Checkpoint.open(ckpt) as c:
+        headers = inplace_headers(compile_plan(load_mapping(_inplace_mapping()), c.specs()), c)
+    _journal(ckpt, {p.name: _b64(h) for p, h in headers.items()}, config='{"pwned": true}')
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "feedbeef")
+    planted = ckpt / f".config.json.weightmap-tmp-{os.getpid()}-feedbeef-inplace"
+    planted.symlink_to(victim)
+    with pytest.raises(OSError):
+        weightmap.recover(ckpt)
+    assert victim.read_bytes() == b"precious data, never to be touched"
+    # The journal stays, and replaying it again (the link gone) finishes the rename.
+    planted.unlink()
+    assert weightmap.recover(ckpt) is True
+    assert json.loads((ckpt / "config.json").read_text()) == {"pwned": True}
+    assert victim.read_bytes() == b"precious data, never to be touched"
+
+
+@pytest.mark.parametrize("what", ["config.json", "index"])
+def test_a_config_or_index_linked_out_of_the_folder_is_refused(
+    ckpt: Path, tmp_path: Path, what: str
+) -> None:
+    """A config.json that is a link to a JSON file elsewhere (registry credentials, say)
+    would be read as the checkpoint's and written into the output: refused, as a shard or side
+    file leaving the folder is."""
+    secret = tmp_path / "home" / "credentials.json"
+    secret.parent.mkdir()
+    if what == "config.json":
+        secret.write_text('{"auths": {"registry": {"auth": "c2VjcmV0"}}}')
+        (ckpt / "config.json").unlink()
+        (ckpt / "config.json").symlink_to(secret)
+        name = "config.json"
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(ckpt / "model.safetensors")
+        (ckpt / "model.safetensors").unlink()
+        save_file(tensors, ckpt / "model-00001-of-00001.safetensors")
+        weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors")
+        secret.write_text(json.dumps({"weight_map": weight_map, "auth": "c2VjcmV0"}))
+        name = "model.safetensors.index.json"
+        (ckpt / name).symlink_to(secret)
+    with pytest.raises(CheckpointError, match=r"leaves the checkpoint's folder.*\[link-escape\]"):
+        weightmap.Checkpoint.open(ckpt)
+    out = tmp_path / "out"
+    result = _run("convert", str(ckpt), str(out), "--preset", "eagle3-sglang")
+    assert result.returncode != 0
+    assert "link-escape" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+    assert "c2VjcmV0" not in result.stderr
+
+
+def test_a_journal_naming_a_hub_blob_is_refused(tmp_path: Path, example: Path) -> None:
+    """In a hub cache, a snapshot's files are links into blobs/, shared by every revision:
+    an in-place rename never rewrites one, so a journal that names one is not ours."""
+    repo = tmp_path / "models--org--name"
+    snap = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    data = (example / "model.safetensors").read_bytes()
+    blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.write_bytes(data)
+    (snap / "model.safetensors").symlink_to(blob)
+    size = int.from_bytes(data[:8], "little")
+    _journal(snap, {"model.safetensors": _b64(data[8 : 8 + size])})
+    with pytest.raises(CheckpointError, match=r"outside the checkpoint's folder.*\[journal\]"):
+        weightmap.recover(snap)
+    assert blob.read_bytes() == data
+
+
+def test_clean_does_not_hang_on_a_fifo_config(ckpt: Path) -> None:
+    from weightmap.compiler.compile import compile_plan
+    from weightmap.execute.inplace import inplace_headers
+    from weightmap.language.mapping import load_mapping
+
+    with weightmap.Checkpoint.open(ckpt) as c:
+        headers = inplace_headers(compile_plan(load_mapping(_inplace_mapping()), c.specs()), c)
+    _journal(ckpt, {p.name: _b64(h) for p, h in headers.items()}, config='{"a": 1}')
+    (ckpt / "config.json").unlink()
+    os.mkfifo(ckpt / "config.json")
+    result = _run("clean", str(ckpt))  # (a hang fails on the subprocess's timeout)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((ckpt / "config.json").read_text()) == {"a": 1}
+
+
+def test_a_fifo_where_json_is_read_is_refused_without_waiting(tmp_path: Path) -> None:
+    from weightmap.format.text import read_json_file
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match=r"not a regular file \[not-a-file\]"):
+        read_json_file(fifo, "config.json")
+
+
+def test_messages_quoting_other_libraries_carry_no_credentials() -> None:
+    from weightmap.format.hub import HubRepo
+    from weightmap.format.text import redacted
+
+    message = (
+        "500 Server Error: Internal Server Error for url: "
+        "http://alice:s3cr3tpass@127.0.0.1:18765/api/models/org/name (token hf_abcdefghijkl)\n"
+        "Request ID: 123"
+    )
+    shown = redacted(message)
+    assert "s3cr3tpass" not in shown and "alice" not in shown and "hf_abcdefghijkl" not in shown
+    assert "http://***@127.0.0.1:18765/api/models/org/name" in shown
+    assert "\n" not in shown and "Request ID" not in shown
+    assert len(redacted("x" * 5000)) == 300
+
+    class ServerError(Exception):
+        pass
+
+    err = HubRepo("org/name")._translated(ServerError(message))
+    assert "s3cr3tpass" not in str(err) and "hf_abcdefghijkl" not in str(err)
+    assert "[hub]" in str(err)

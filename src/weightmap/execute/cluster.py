@@ -34,6 +34,7 @@ from weightmap.execute.distributed import execute_tasks
 from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, check_inputs
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.text import redacted
 from weightmap.format.writer import CheckpointWriter
 from weightmap.plan.plan import Plan
 
@@ -116,7 +117,7 @@ def _answers(address: str, timeout: float = 5.0) -> None:
     seconds; a mistyped address or a head node not started deserves one line now. Addresses
     that are not a host and a port (``auto``, ``local``) are left to Ray.
     """
-    hostport = address.removeprefix("ray://")
+    hostport = address.removeprefix("ray://").rpartition("@")[2]  # (no user:password@)
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit() or not host:
         return
@@ -126,7 +127,8 @@ def _answers(address: str, timeout: float = 5.0) -> None:
     except OSError as exc:
         why = exc.strerror or str(exc) or type(exc).__name__
         raise ExecutionError(
-            f"cannot connect to the Ray cluster at {address}: nothing answers at {host}:{port} "
+            f"cannot connect to the Ray cluster at {redacted(address)}: nothing answers at "
+            f"{host}:{port} "
             f"({why}); start the head node there with `ray start --head`, or pass the address "
             "it prints"
         ) from None
@@ -145,8 +147,9 @@ def _connect(ray: ModuleType, address: str | None) -> bool:
     try:
         ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
+        where = redacted(address) if address else "the default address"
         raise ExecutionError(
-            f"cannot connect to the Ray cluster at {address or 'the default address'}: {exc}"
+            f"cannot connect to the Ray cluster at {where}: {redacted(str(exc))}"
         ) from exc
     return True
 

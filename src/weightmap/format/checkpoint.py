@@ -30,7 +30,14 @@ from weightmap.format.text import is_utf8, read_json_file
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TORCH_DIM_MAX", "Checkpoint", "TensorLocation", "check_torch_shape", "resolve_shard"]
+__all__ = [
+    "TORCH_DIM_MAX",
+    "Checkpoint",
+    "TensorLocation",
+    "check_torch_shape",
+    "leaves_folder",
+    "resolve_shard",
+]
 
 
 @dataclass(frozen=True)
@@ -72,27 +79,50 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
             rule="shard-name",
         )
     path = root / name
-    # A symlink may point anywhere; follow it only if it stays in the folder, or, in a hub
-    # cache's `snapshots/<revision>/` folder, into that repository's `blobs/` folder.
     try:
-        resolved = path.resolve()
+        outside = leaves_folder(root, path)
     except OSError as err:  # e.g. a name longer than the file system allows
         raise CheckpointError(
             f"{what} names shard {name[:80]!r}: {err.strerror}",
             path=listed_in,
             rule="shard-name",
         ) from None
-    real_root = root.resolve()
-    in_cache = real_root.parent.name == "snapshots" and resolved.parent == (
-        real_root.parent.parent / "blobs"
-    )
-    if resolved.parent != real_root and not in_cache:
+    if outside is not None:
         raise CheckpointError(
-            f"shard {name!r} is a link that leaves the checkpoint's folder (to {resolved})",
+            f"shard {name!r} is a link that leaves the checkpoint's folder (to {outside})",
             path=listed_in,
             rule="shard-escape",
         )
     return path
+
+
+def leaves_folder(root: Path, path: Path) -> Path | None:
+    """Where ``path``, an entry of folder ``root``, leads if it is a link out of the folder;
+    None if it stays in it.
+
+    A link may point anywhere; it is followed only if it stays in the folder, or, in a hub
+    cache's ``snapshots/<revision>/`` folder, leads into that repository's ``blobs/`` folder
+    (the cache is a farm of such links).
+    """
+    resolved = path.resolve()
+    real_root = root.resolve()
+    in_cache = real_root.parent.name == "snapshots" and resolved.parent == (
+        real_root.parent.parent / "blobs"
+    )
+    return None if resolved.parent == real_root or in_cache else resolved
+
+
+def _refuse_escape(root: Path, path: Path, what: str) -> None:
+    """A JSON file of the folder (config, index) must not be a link to a file elsewhere: its
+    text would be read as the checkpoint's, and a config is written into the output."""
+    outside = leaves_folder(root, path)
+    if outside is not None:
+        raise CheckpointError(
+            f"{what} is a link that leaves the checkpoint's folder (to {outside}); copy the "
+            "file into the folder if it belongs to this checkpoint",
+            path=path,
+            rule="link-escape",
+        )
 
 
 # torch sizes are signed 64-bit; the format's are u64, so an empty tensor may have a
@@ -179,6 +209,7 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
             path=root,
             rule="missing-config",
         )
+    _refuse_escape(root, config_path, name)
     loaded = read_json_file(config_path, name)
     if not isinstance(loaded, dict):
         raise CheckpointError(
@@ -330,6 +361,7 @@ class Checkpoint:
 
     @classmethod
     def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
+        _refuse_escape(root, index_path, index_path.name)
         index = read_json_file(index_path, "the index")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(

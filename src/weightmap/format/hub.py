@@ -32,7 +32,7 @@ from weightmap.format.sidefiles import (
     bad_file_name,
     replaced_reason,
 )
-from weightmap.format.text import read_json_file
+from weightmap.format.text import read_json_file, redacted
 
 __all__ = ["HubRepo", "looks_like_repo_id"]
 
@@ -168,7 +168,7 @@ class HubRepo:
                 "is no repository on the Hub (or a private one: log in with hf auth login)",
                 "hub-not-found",
             )
-        return self._fail(f"the Hub refused the request ({name}: {err})", "hub")
+        return self._fail(f"the Hub refused the request ({name}: {redacted(str(err))})", "hub")
 
     def fetch(self, names: list[str], *, progress: bool = True) -> Path:
         """The snapshot folder, holding at least ``names`` (downloaded where missing)."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ __all__ = [
     "json_problem",
     "nesting_exceeds",
     "read_json_file",
+    "redacted",
     "strict_json",
 ]
 
@@ -240,21 +243,47 @@ def strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return value
 
 
+# Credentials a URL may carry (scheme://user:password@host) and Hugging Face access tokens.
+_URL_USERINFO = re.compile(r"(?<=//)[^/@\s]+@")
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
+
+
+def redacted(text: str, limit: int = 300) -> str:
+    """Another library's message made fit for ours: its first line (our errors are one line),
+    credentials in URLs and Hugging Face tokens replaced by ``***``, at most ``limit``
+    characters. Such messages quote request URLs, which may carry a user and password (an
+    ``HF_ENDPOINT`` or proxy set so), and end up in logs."""
+    lines = text.strip().splitlines()
+    line = _HF_TOKEN.sub("hf_***", _URL_USERINFO.sub("***@", lines[0] if lines else ""))
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> Any:
     """Read a small JSON file strictly, or raise a :class:`CheckpointError` naming ``what``.
 
     Checked: bounded size, UTF-8, valid JSON, bounded depth, and nothing that could not be
     written back as UTF-8.
     """
-    try:
-        size = path.stat().st_size
-        if size > max_size:
+    # NONBLOCK: a FIFO put where the file should be is refused below, not waited on; the
+    # checks are made on the open file, whatever the name points to by now.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{what} is not a regular file", path=path, rule="not-a-file")
+        if st.st_size > max_size:
             raise CheckpointError(
-                f"{what} is {size} bytes, over the {max_size}-byte limit",
+                f"{what} is {st.st_size} bytes, over the {max_size}-byte limit",
                 path=path,
                 rule="json-too-large",
             )
-        text = path.read_bytes().decode("utf-8")
+        data = f.read(st.st_size + 1)
+    if len(data) != st.st_size:
+        raise CheckpointError(
+            f"{what} changed while it was read; try again", path=path, rule="changed"
+        )
+    try:
+        text = data.decode("utf-8")
         value = json.loads(text)
     except UnicodeDecodeError:
         raise CheckpointError(f"{what} is not UTF-8", path=path, rule="json") from None
