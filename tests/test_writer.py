@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes.util
+import errno
 import json
+import os
 import random
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -209,6 +211,33 @@ def test_commits_look_renameat2_up_once(tmp_path: Path, monkeypatch: pytest.Monk
     assert load_file(dest / "model.safetensors")["a"].tolist() == [1.0]
     assert _renameat2() is looked_up
     assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
+
+
+def test_overwrite_without_renameat2_restores_the_old_output_on_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where renameat2 is missing, an overwrite moves the old output aside and the new one in:
+    if the second rename fails, the old output is put back under its name."""
+    import weightmap.format.writer as writer_mod
+
+    dest = tmp_path / "out"
+    write_tensors(dest, {"a": torch.zeros(1)})
+    monkeypatch.setattr(writer_mod, "renameat2", lambda src, dst, flags: False)
+    real_rename = os.rename
+
+    def failing(src: object, dst: object) -> None:
+        if TMP_MARKER in str(src) and "old-" not in str(src):  # the new output moving in
+            raise OSError(errno.EIO, "injected failure")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="injected failure"):
+        write_tensors(dest, {"a": torch.ones(1)}, overwrite=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert load_file(dest / "model.safetensors")["a"].tolist() == [0.0]
+    assert not list(tmp_path.glob(f"*{TMP_MARKER}*"))
+    write_tensors(dest, {"a": torch.ones(1)}, overwrite=True)  # the fallback itself works
+    assert load_file(dest / "model.safetensors")["a"].tolist() == [1.0]
 
 
 def test_destination_holding_the_input_is_refused(tmp_path: Path) -> None:

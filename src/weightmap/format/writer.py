@@ -430,7 +430,14 @@ class CheckpointWriter:
             else:
                 old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
                 os.rename(dest, old)
-                os.rename(tmp, dest)
+                try:
+                    os.rename(tmp, dest)
+                except BaseException:
+                    # The old output goes back under its name: a failed overwrite must leave
+                    # the destination as it was, not missing.
+                    with contextlib.suppress(OSError):
+                        os.rename(old, dest)
+                    raise
                 self.tmp = None
                 self._remove_old(old)
         except FileExistsError:
