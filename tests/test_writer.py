@@ -240,6 +240,26 @@ def test_overwrite_without_renameat2_restores_the_old_output_on_failure(
     assert load_file(dest / "model.safetensors")["a"].tolist() == [1.0]
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_temporary_folder_is_private_until_committed(tmp_path: Path, umask: int) -> None:
+    """While it is written, the temporary folder is the user's alone (tasks reopen its files
+    by path); the committed folder has the mode the umask gives a new folder."""
+    from weightmap.format.atomic import process_umask
+
+    old = os.umask(umask)
+    try:
+        assert process_umask() == umask
+        dest = tmp_path / "out"
+        w = CheckpointWriter(dest, [TensorSpec("a", "U8", (1,))])
+        w.open()
+        assert w.tmp is not None and w.tmp.stat().st_mode & 0o777 == 0o700
+        w.write("a", b"\1")
+        w.commit()
+        assert dest.stat().st_mode & 0o777 == 0o777 & ~umask
+    finally:
+        os.umask(old)
+
+
 def test_destination_holding_the_input_is_refused(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(1)}, tmp_path / "model.safetensors")
     with pytest.raises(OutputExistsError, match="holds the input"):

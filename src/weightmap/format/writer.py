@@ -32,6 +32,7 @@ from weightmap.format.atomic import (
     fsync_dir,
     host_name,
     is_within,
+    process_umask,
     removal_problem,
     remove_path,
     renameat2,
@@ -189,7 +190,10 @@ class CheckpointWriter:
         owner = f"{os.getpid()}@{host_name()}" if self.shared else str(os.getpid())
         self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{owner}-{token}"
         try:
-            self.tmp.mkdir()
+            # Private while it is written (tasks on other machines reopen its files by path:
+            # with a group-writable umask, a member of the group could swap one for a link),
+            # given the usual mode once complete.
+            self.tmp.mkdir(mode=0o700)
             for shard in self.shards:
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
@@ -401,6 +405,7 @@ class CheckpointWriter:
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
+            os.chmod(self.tmp, 0o777 & ~process_umask())
             fsync_dir(self.tmp)
             if self.before_move is not None:
                 self.before_move(self.tmp)
