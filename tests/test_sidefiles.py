@@ -282,3 +282,35 @@ def test_reverse_eagle3_restores_auto_map_where_config_py_is_carried(
     assert config["auto_map"] == {"": "config.Eagle3SpeculatorConfig"}
     assert (tmp_path / "back" / "config.py").read_text() == (src / "config.py").read_text()
     assert not any("config.py" in w for w in back.plan.warnings)
+
+
+def test_a_folder_swapped_for_a_link_while_opening_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between resolving a side file's path and opening it, a folder on the way swapped for a
+    link to a folder outside (holding a file of the same name and size) must not be read:
+    the open walks the resolved path without following any link."""
+    from weightmap.format.sidefiles import open_side_file
+
+    root = tmp_path / "ckpt"
+    (root / "tok").mkdir(parents=True)
+    (root / "tok" / "vocab.json").write_text('{"a": 1}')
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / "vocab.json").write_text('{"s": 9}')  # same size, other bytes
+    fd = open_side_file(root, "tok/vocab.json", 8)
+    assert os.read(fd, 100) == b'{"a": 1}'
+    os.close(fd)
+
+    real_resolve = Path.resolve
+
+    def resolve_then_swap(self: Path, strict: bool = False) -> Path:
+        found = real_resolve(self, strict)
+        if found.name == "vocab.json" and not (root / "tok").is_symlink():
+            (root / "tok").rename(tmp_path / "tok-moved")
+            (root / "tok").symlink_to(outside)
+        return found
+
+    monkeypatch.setattr(Path, "resolve", resolve_then_swap)
+    with pytest.raises(CheckpointError, match=r"cannot be opened .*\[changed\]"):
+        open_side_file(root, "tok/vocab.json", 8)

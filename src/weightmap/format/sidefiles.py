@@ -198,6 +198,23 @@ class _Walk:
             self.files.append(FileSpec(name, st.st_size))
 
 
+def _open_no_links(resolved: Path) -> int:
+    """A read-only descriptor of ``resolved`` (a path with no links in it, as ``resolve``
+    made it), opened one folder at a time without following a link anywhere: a folder on the
+    way swapped for a link since it was resolved fails the open (ELOOP, ENOTDIR) instead of
+    leading elsewhere. ``O_NOFOLLOW`` on the whole path guards its last part only."""
+    parts = resolved.parts
+    fd = os.open(parts[0], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[1:-1]:
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISFIFO(mode):
         return "FIFO"
@@ -234,7 +251,7 @@ def open_side_file(root: Path, name: str, size: int) -> int:
     if bad_file_name(name) is not None or not _inside(resolved, real_root):
         raise CheckpointError(f"side file {name!r} leaves the folder", path=root, rule="side-file")
     try:
-        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        fd = _open_no_links(resolved)
     except OSError as err:
         raise CheckpointError(
             f"side file {name!r} cannot be opened ({err.strerror}); the folder changed since the "
