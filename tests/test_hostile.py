@@ -1257,3 +1257,22 @@ def test_messages_quoting_other_libraries_carry_no_credentials() -> None:
     err = HubRepo("org/name")._translated(ServerError(message))
     assert "s3cr3tpass" not in str(err) and "hf_abcdefghijkl" not in str(err)
     assert "[hub]" in str(err)
+
+
+def test_inplace_refuses_a_hard_linked_shard(ckpt: Path, tmp_path: Path) -> None:
+    """A shard with another name elsewhere (a `cp -al` backup) is one file: an in-place rename
+    would change the backup too. Refused before anything is written."""
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    os.link(ckpt / "model.safetensors", backup / "model.safetensors")
+    before = _hashes(ckpt, backup)
+    mapping = tmp_path / "m.wm"
+    mapping.write_text(_inplace_mapping())
+    with pytest.raises(CheckpointError, match=r"2 hard links.*\[inplace-link\]"):
+        weightmap.remap(ckpt, mapping=mapping, inplace=True)
+    assert _hashes(ckpt, backup) == before
+    # Given its own copy, the folder renames in place; the backup keeps its bytes.
+    shutil.copy(ckpt / "model.safetensors", tmp_path / "own")
+    os.replace(tmp_path / "own", ckpt / "model.safetensors")
+    weightmap.remap(ckpt, mapping=mapping, inplace=True)
+    assert _hashes(backup) == {k: v for k, v in before.items() if "backup" in k}

@@ -389,6 +389,19 @@ def _check_inplace_source(ckpt: Checkpoint) -> None:
             path=ckpt.root,
             rule="inplace-link",
         )
+    # A file with several names (a hard-linked copy, `cp -al`) is one file: rewriting it in
+    # place would change every copy, a backup included.
+    shared = [(p, n) for p in ckpt.files if (n := os.stat(p).st_nlink) > 1]
+    if shared:
+        path, count = shared[0]
+        raise CheckpointError(
+            f"{path.name} has {count} hard links (names elsewhere for the same file, such as a "
+            "copy made with cp -al): an in-place rename would change the file under every one "
+            "of them; convert into a new folder, or give this folder its own copy first "
+            f"(cp {path.name} {path.name}.tmp && mv {path.name}.tmp {path.name})",
+            path=ckpt.root,
+            rule="inplace-link",
+        )
 
 
 # Names that say "a file": a destination called so is almost always meant as the output file,
