@@ -271,3 +271,27 @@ def test_clean_removes_leftovers_of_dead_runs(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert not dead.exists() and alive.exists()
     assert run("clean", str(tmp_path)).stdout.startswith("nothing to clean")
+
+
+def test_clean_goes_on_past_a_leftover_it_cannot_remove(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import weightmap.cli as cli
+
+    stuck = tmp_path / ".a.weightmap-tmp-999999998-abcd"
+    dead = tmp_path / ".b.weightmap-tmp-999999999-abcd"
+    stuck.mkdir()
+    dead.mkdir()
+    real = cli.remove_path
+
+    def remove(path: Path) -> None:
+        if path == stuck:
+            raise PermissionError(13, "Permission denied")
+        real(path)
+
+    monkeypatch.setattr(cli, "remove_path", remove)
+    assert cli.main(["clean", str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert f"could not remove {stuck}: Permission denied" in out.err
+    assert f"removed {dead}" in out.out
+    assert stuck.exists() and not dead.exists()

@@ -282,13 +282,19 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     if (folder / JOURNAL_NAME).exists() and recover(folder):
         print(f"finished an interrupted in-place rewrite of {folder}")
         actions += 1
+    failed = 0
     for stale in stale_temporaries(folder):
-        remove_path(stale)
+        try:
+            remove_path(stale)
+        except OSError as exc:  # another user's, or in a read-only folder: say so, go on
+            print(f"weightmap: could not remove {stale}: {exc.strerror or exc}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"removed {stale}")
         actions += 1
-    if not actions:
+    if not actions and not failed:
         print(f"nothing to clean in {folder}")
-    return 0
+    return 1 if failed else 0
 
 
 # -- parser --------------------------------------------------------------------------------------
