@@ -233,3 +233,27 @@ def test_verify_takes_the_repo_id_it_converted(
     assert weightmap.verify(tmp_path / "out", result.plan, source="org/tiny@v1") == [
         "side file 'tok/vocab.txt' differs from 'tok/vocab.txt' in the input"
     ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "ok"),
+    [
+        ("org/name", True),
+        ("org/name@main", True),
+        ("org/name@refs/pr/1", True),
+        ("org/name@v1.0", True),
+        ("org/name@/etc/passwd", False),  # an absolute path: refs/ joined with it is that path
+        ("org/name@../../x", False),
+        ("org/name@a//b", False),
+        ("org/name@a/", False),
+    ],
+)
+def test_a_revision_is_never_a_path_out_of_refs(spec: str, ok: bool) -> None:
+    """The revision names a file under the cache's refs/ folder (offline): one that would lead
+    out of it (and read, say, /dev/zero) is no repository id."""
+    from weightmap.format.hub import HubRepo, looks_like_repo_id
+
+    assert looks_like_repo_id(spec) is ok
+    if not ok:
+        with pytest.raises(ValueError, match="not a repository id"):
+            HubRepo(spec)

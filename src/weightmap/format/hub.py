@@ -37,7 +37,7 @@ from weightmap.format.text import read_json_file, redacted
 __all__ = ["HubRepo", "looks_like_repo_id"]
 
 _REPO_ID = re.compile(
-    r"(?P<id>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<rev>[\w./-]+))?"
+    r"(?P<id>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<rev>[\w.-]+(?:/[\w.-]+)*))?"
 )
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE = ("1", "true", "yes", "on")
@@ -67,8 +67,8 @@ class HubRepo:
     """One revision of a Hub model repository, read through huggingface_hub's cache."""
 
     def __init__(self, spec: str) -> None:
-        m = _REPO_ID.fullmatch(spec)
-        if m is None:
+        m = _REPO_ID.fullmatch(spec) if ".." not in spec else None
+        if m is None:  # (a revision is a branch, tag or commit: never a path out of refs/)
             raise ValueError(f"not a repository id: {spec!r}")
         self.spec = spec
         self.repo_id: str = m["id"]
