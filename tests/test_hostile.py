@@ -1250,6 +1250,10 @@ def test_messages_quoting_other_libraries_carry_no_credentials() -> None:
     assert "http://***@127.0.0.1:18765/api/models/org/name" in shown
     assert "\n" not in shown and "Request ID" not in shown
     assert len(redacted("x" * 5000)) == 300
+    # A raw @ in the password: URL parsers split at the last @ before the host.
+    assert redacted("proxy https://user:p@ss@proxy:8080/x, mail a@b.c") == (
+        "proxy https://***@proxy:8080/x, mail a@b.c"
+    )
 
     class ServerError(Exception):
         pass
@@ -1276,3 +1280,50 @@ def test_inplace_refuses_a_hard_linked_shard(ckpt: Path, tmp_path: Path) -> None
     os.replace(tmp_path / "own", ckpt / "model.safetensors")
     weightmap.remap(ckpt, mapping=mapping, inplace=True)
     assert _hashes(backup) == {k: v for k, v in before.items() if "backup" in k}
+
+
+def test_links_that_stay_in_the_folder_or_the_hub_cache_are_read(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """What link-escape must not refuse: a `config from` file in a subfolder, a config.json
+    linked to a file inside the folder, and a hub cache snapshot's subfolder (diffusers'
+    layout) whose files link into the repository's blobs/."""
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "params.json").write_text('{"dim": 8}')
+    mapping = 'weightmap 1\nconfig from "sub/params.json"\nunmatched keep\n'
+    plan = weightmap.compile(ckpt, mapping=weightmap.load_mapping(mapping))
+    assert plan.input_config == {"dim": 8}
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "configs").mkdir()
+    (ckpt / "config.json").rename(ckpt / "configs" / "real.json")
+    (ckpt / "config.json").symlink_to(Path("configs") / "real.json")
+    with weightmap.Checkpoint.open(ckpt) as c:
+        assert c.config == config
+
+    repo = tmp_path / "models--org--name"
+    sub = repo / "snapshots" / ("a" * 40) / "text_encoder"
+    (repo / "blobs").mkdir(parents=True)
+    sub.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json"):
+        data = ckpt / ("model.safetensors" if name != "config.json" else "configs/real.json")
+        blob = repo / "blobs" / hashlib.sha256(data.read_bytes()).hexdigest()
+        shutil.copy(data, blob)
+        (sub / name).symlink_to(Path("../../../blobs") / blob.name)
+    for given in (sub, sub / "model.safetensors"):
+        with weightmap.Checkpoint.open(given) as c:
+            assert c.config == config
+
+
+def test_a_side_file_that_cannot_be_read_says_so_not_changed(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weightmap.format.sidefiles as sidefiles
+
+    (ckpt / "tokenizer.json").write_text("{}")
+
+    def denied(resolved: Path) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(sidefiles, "_open_no_links", denied)
+    with pytest.raises(CheckpointError, match=r"make it readable.*\[side-file\]"):
+        sidefiles.open_side_file(ckpt, "tokenizer.json", 2)

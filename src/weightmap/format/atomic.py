@@ -28,7 +28,6 @@ __all__ = [
     "fsync_dir",
     "host_name",
     "is_within",
-    "process_umask",
     "removal_problem",
     "remove_path",
     "renameat2",
@@ -78,21 +77,6 @@ def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
             continue
         found.append(entry)
     return sorted(found)
-
-
-def process_umask() -> int:
-    """This process's umask, read without changing it where Linux says it (``os.umask`` can
-    only read it by setting it, for every thread at once)."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def remove_path(path: Path) -> None:

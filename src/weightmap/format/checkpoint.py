@@ -25,6 +25,7 @@ from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.lock import folder_lock
 from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle, release_pages
+from weightmap.format.sidefiles import cache_blobs, inside_folder
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
@@ -97,25 +98,26 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
 
 
 def leaves_folder(root: Path, path: Path) -> Path | None:
-    """Where ``path``, an entry of folder ``root``, leads if it is a link out of the folder;
+    """Where ``path``, a shard in folder ``root``, leads if it is a link out of the folder;
     None if it stays in it.
 
     A link may point anywhere; it is followed only if it stays in the folder, or, in a hub
-    cache's ``snapshots/<revision>/`` folder, leads into that repository's ``blobs/`` folder
+    cache's snapshot (or a subfolder of one), leads into that repository's ``blobs/`` folder
     (the cache is a farm of such links).
     """
     resolved = path.resolve()
     real_root = root.resolve()
-    in_cache = real_root.parent.name == "snapshots" and resolved.parent == (
-        real_root.parent.parent / "blobs"
-    )
+    blobs = cache_blobs(real_root)
+    in_cache = blobs is not None and resolved.parent == blobs
     return None if resolved.parent == real_root or in_cache else resolved
 
 
 def _refuse_escape(root: Path, path: Path, what: str) -> None:
-    """A JSON file of the folder (config, index) must not be a link to a file elsewhere: its
-    text would be read as the checkpoint's, and a config is written into the output."""
-    outside = leaves_folder(root, path)
+    """A JSON file of the folder (config, index; a ``config from`` file may sit in a
+    subfolder) must not be a link to a file outside it: its text would be read as the
+    checkpoint's, and a config is written into the output."""
+    resolved = path.resolve()
+    outside = None if inside_folder(resolved, root.resolve()) else resolved
     if outside is not None:
         raise CheckpointError(
             f"{what} is a link that leaves the checkpoint's folder (to {outside}); copy the "

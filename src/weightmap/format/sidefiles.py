@@ -39,7 +39,9 @@ __all__ = [
     "FileSpec",
     "FolderFiles",
     "bad_file_name",
+    "cache_blobs",
     "copy_file",
+    "inside_folder",
     "list_side_files",
     "open_side_file",
     "replaced_reason",
@@ -122,14 +124,20 @@ def bad_file_name(name: str) -> str | None:
     return None
 
 
-def _cache_blobs(root: Path) -> Path | None:
-    """The ``blobs/`` folder whose files a hub cache snapshot's links point to, or None."""
-    snapshots = root.parent
-    return snapshots.parent / "blobs" if snapshots.name == "snapshots" else None
+def cache_blobs(root: Path) -> Path | None:
+    """The ``blobs/`` folder whose files a hub cache snapshot's links point to, or None:
+    ``root`` (resolved) is a snapshot folder ``snapshots/<revision>``, or a folder inside one
+    (diffusers repositories keep a model per subfolder)."""
+    for folder in (root, *root.parents[:2]):
+        if folder.parent.name == "snapshots":
+            return folder.parent.parent / "blobs"
+    return None
 
 
-def _inside(resolved: Path, root: Path) -> bool:
-    blobs = _cache_blobs(root)
+def inside_folder(resolved: Path, root: Path) -> bool:
+    """Whether ``resolved`` (a resolved path) lies in the resolved folder ``root``, or is a
+    file of the hub cache blobs its snapshot links to."""
+    blobs = cache_blobs(root)
     return resolved.is_relative_to(root) or (blobs is not None and resolved.parent == blobs)
 
 
@@ -181,7 +189,7 @@ class _Walk:
         except OSError:
             self.skip(name, "it is a link to nothing")
             return
-        if link and not _inside(path.resolve(), self.root):
+        if link and not inside_folder(path.resolve(), self.root):
             self.skip(name, f"it is a link that leaves the folder (to {path.resolve()})")
         elif stat.S_ISDIR(st.st_mode):
             if link:
@@ -204,10 +212,12 @@ def _open_no_links(resolved: Path) -> int:
     way swapped for a link since it was resolved fails the open (ELOOP, ENOTDIR) instead of
     leading elsewhere. ``O_NOFOLLOW`` on the whole path guards its last part only."""
     parts = resolved.parts
-    fd = os.open(parts[0], os.O_RDONLY | os.O_DIRECTORY)
+    # O_PATH (Linux): a folder one may pass through but not list (mode 0711) opens too.
+    walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+    fd = os.open(parts[0], walk)
     try:
         for part in parts[1:-1]:
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            child = os.open(part, walk | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = child
         return os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=fd)
@@ -248,11 +258,18 @@ def open_side_file(root: Path, name: str, size: int) -> int:
     real_root = root.resolve()
     path = real_root / name
     resolved = path.resolve()
-    if bad_file_name(name) is not None or not _inside(resolved, real_root):
+    if bad_file_name(name) is not None or not inside_folder(resolved, real_root):
         raise CheckpointError(f"side file {name!r} leaves the folder", path=root, rule="side-file")
     try:
         fd = _open_no_links(resolved)
     except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise CheckpointError(
+                f"side file {name!r} cannot be opened ({err.strerror}); make it readable, or "
+                "leave the side files out (--no-side-files, side_files=False)",
+                path=root,
+                rule="side-file",
+            ) from None
         raise CheckpointError(
             f"side file {name!r} cannot be opened ({err.strerror}); the folder changed since the "
             "plan was made: run the conversion again",

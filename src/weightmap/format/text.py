@@ -244,7 +244,8 @@ def strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 # Credentials a URL may carry (scheme://user:password@host) and Hugging Face access tokens.
-_URL_USERINFO = re.compile(r"(?<=//)[^/@\s]+@")
+# (Up to the last @ before the path: a password may hold a raw @, as URL parsers split there.)
+_URL_USERINFO = re.compile(r"(?<=//)[^/\s]*@")
 _HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +33,6 @@ from weightmap.format.atomic import (
     fsync_dir,
     host_name,
     is_within,
-    process_umask,
     removal_problem,
     remove_path,
     renameat2,
@@ -159,6 +159,7 @@ class CheckpointWriter:
         self._pieces: list[Piece] = []
         self._files: dict[str, bytes] = {}
         self.tmp: Path | None = None
+        self._tmp_mode = 0o700  # the temporary folder's mode as made, given back at commit
         self.committed = False
         # Called with the finished temporary folder just before it is moved into place; an
         # exception from it discards the output (used to verify before committing).
@@ -192,8 +193,10 @@ class CheckpointWriter:
         try:
             # Private while it is written (tasks on other machines reopen its files by path:
             # with a group-writable umask, a member of the group could swap one for a link),
-            # given the usual mode once complete.
-            self.tmp.mkdir(mode=0o700)
+            # given back the mode it was made with (umask, default ACL) once complete.
+            self.tmp.mkdir()
+            self._tmp_mode = stat.S_IMODE(self.tmp.stat().st_mode)
+            os.chmod(self.tmp, 0o700)
             for shard in self.shards:
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
@@ -405,7 +408,7 @@ class CheckpointWriter:
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
-            os.chmod(self.tmp, 0o777 & ~process_umask())
+            os.chmod(self.tmp, self._tmp_mode)
             fsync_dir(self.tmp)
             if self.before_move is not None:
                 self.before_move(self.tmp)
