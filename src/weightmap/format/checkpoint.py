@@ -117,10 +117,9 @@ def _refuse_escape(root: Path, path: Path, what: str) -> None:
     subfolder) must not be a link to a file outside it: its text would be read as the
     checkpoint's, and a config is written into the output."""
     resolved = path.resolve()
-    outside = None if inside_folder(resolved, root.resolve()) else resolved
-    if outside is not None:
+    if not inside_folder(resolved, root.resolve()):
         raise CheckpointError(
-            f"{what} is a link that leaves the checkpoint's folder (to {outside}); copy the "
+            f"{what} is a link that leaves the checkpoint's folder (to {resolved}); copy the "
             "file into the folder if it belongs to this checkpoint",
             path=path,
             rule="link-escape",
