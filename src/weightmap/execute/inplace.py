@@ -322,13 +322,14 @@ def _journal_header(
     shown = str(name)[:80]
     if not str(name).endswith(".safetensors") or not path.is_file():
         raise _refuse(journal_path, f"{shown!r} is not a safetensors shard of this checkpoint")
-    if path.resolve().parent != root.resolve():
+    resolved = path.resolve()
+    if resolved.parent != root.resolve():
         # A hub cache's link into blobs/ reads fine, but an in-place rename never rewrites one
         # (the blob is named by its content, and every revision holding it shares it), so no
         # journal of ours names one.
         raise _refuse(
             journal_path,
-            f"{shown!r} is a link to {path.resolve()}, outside the checkpoint's folder, which an "
+            f"{shown!r} is a link to {resolved}, outside the checkpoint's folder, which an "
             "in-place rename never rewrites",
         )
     if not isinstance(b64, str):
@@ -349,7 +350,7 @@ def _journal_header(
         raise _refuse(
             journal_path, f"the header for {shown!r} is not valid ({err.detail}) [{err.rule}]"
         ) from None
-    return path.resolve(), data
+    return resolved, data
 
 
 def _journal_text(value: object, what: str, journal_path: Path) -> str | None:
