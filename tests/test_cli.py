@@ -262,10 +262,13 @@ def test_invert(tmp_path: Path) -> None:
 
 
 def test_clean_removes_leftovers_of_dead_runs(tmp_path: Path) -> None:
-    dead = tmp_path / ".out.weightmap-tmp-999999999-abcd"
+    from weightmap.format.atomic import owner_tag
+
+    here = owner_tag().partition("@")[2]
+    dead = tmp_path / f".out.weightmap-tmp-999999999@{here}-abcd"
     dead.mkdir()
     (dead / "model.safetensors").write_bytes(b"partial")
-    alive = tmp_path / f".out.weightmap-tmp-{__import__('os').getpid()}-abcd"
+    alive = tmp_path / f".out.weightmap-tmp-{owner_tag()}-abcd"
     alive.mkdir()
     r = run("clean", str(tmp_path))
     assert r.returncode == 0, r.stderr

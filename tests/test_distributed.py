@@ -28,7 +28,7 @@ from weightmap.execute.partition import ComputeUnit, TaskReport, TaskSpec, parti
 from weightmap.execute.sources import plan_writer
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, execute
 from weightmap.execute.task import run_task
-from weightmap.format.atomic import TMP_MARKER, host_name, stale_temporaries
+from weightmap.format.atomic import TMP_MARKER, host_name, owner_tag, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
 from weightmap.language.ast import Loc
@@ -287,17 +287,29 @@ def test_errors_cross_processes_as_they_are() -> None:
             assert (back.path, back.tensor, back.rule) == (exc.path, exc.tensor, exc.rule)
 
 
-def test_staging_of_another_host_is_never_stale(tmp_path: Path) -> None:
-    """A cluster run's staging folder carries the driver's host: its pid is checked there only,
-    so `weightmap clean` on another node never removes the folder of a live conversion."""
-    here = host_name()
-    other = tmp_path / f".out{TMP_MARKER}999999999@another.host-abcd"
+def test_temporaries_of_another_host_or_container_are_never_stale(tmp_path: Path) -> None:
+    """A temporary's name carries its writer's host and pid namespace: its pid is checked
+    there only, so `weightmap clean` on another node, or in another container sharing the
+    volume (its own pids, often the same host name), never removes a live conversion's folder.
+    Names of earlier versions (a pid alone, or with a host alone) are judged as they were."""
+    here = owner_tag().partition("@")[2]
+    host = host_name()
+    assert here.startswith(f"{host}+")  # Linux: the namespace is known
+    other_host = tmp_path / f".out{TMP_MARKER}999999999@another.host+4026531836-abcd"
+    other_container = tmp_path / f".out{TMP_MARKER}999999999@{host}+1-abcd"
     dead_here = tmp_path / f".out{TMP_MARKER}999999999@{here}-abcd"
     alive_here = tmp_path / f".out{TMP_MARKER}{os.getpid()}@{here}-abcd"
-    for p in (other, dead_here, alive_here):
+    legacy_dead = tmp_path / f".out{TMP_MARKER}999999999-abcd"
+    legacy_host_dead = tmp_path / f".out{TMP_MARKER}999999999@{host}-abcd"
+    legacy_alive = tmp_path / f".out{TMP_MARKER}{os.getpid()}-abcd"
+    for p in (other_host, other_container, dead_here, alive_here):
         p.mkdir()
-    assert stale_temporaries(tmp_path) == [dead_here]
-    assert stale_temporaries(tmp_path, "out") == [dead_here]
+    for p in (legacy_dead, legacy_host_dead, legacy_alive):
+        p.mkdir()
+    expected = sorted([dead_here, legacy_dead, legacy_host_dead])
+    assert stale_temporaries(tmp_path) == expected
+    assert stale_temporaries(tmp_path, "out") == expected
+    assert stale_temporaries(tmp_path, "other") == []
 
 
 def test_failed_task_leaves_nothing(tmp_path: Path) -> None:
@@ -337,12 +349,12 @@ def _one_task(tmp_path: Path) -> tuple[TaskSpec, Path]:
     """A task of a conversion whose temporary folder stays open, and that folder."""
     plan = _checkpoint(tmp_path)
     with Checkpoint.open(tmp_path) as ckpt:
-        writer, sources = plan_writer(plan, ckpt, tmp_path / "out", shared=True)
+        writer, sources = plan_writer(plan, ckpt, tmp_path / "out")
         writer.open()
         tasks = partition(
             plan, sources, writer, ckpt.headers, slots=1, chunk_bytes=1 << 20, checksum=False
         )
-    assert writer.tmp is not None and host_name() in writer.tmp.name
+    assert writer.tmp is not None and owner_tag() in writer.tmp.name
     return tasks[0], writer.tmp
 
 

@@ -21,6 +21,7 @@ import pytest
 
 import weightmap
 from weightmap import CheckpointError, MappingError, MappingSyntaxError
+from weightmap.format.atomic import owner_tag
 from weightmap.format.layout import JOURNAL_NAME
 
 EXE = [sys.executable, "-m", "weightmap"]
@@ -1124,7 +1125,7 @@ def test_inplace_temporaries_never_write_through_a_planted_link(
 
     # Even a link at the very name drawn is not written through: the rename stops first.
     monkeypatch.setattr(secrets, "token_hex", lambda n: "feedbeef")
-    (ckpt / f".{JOURNAL_NAME}.weightmap-tmp-{pid}-feedbeef-inplace").symlink_to(victim)
+    (ckpt / f".{JOURNAL_NAME}.weightmap-tmp-{owner_tag()}-feedbeef-inplace").symlink_to(victim)
     mapping.write_text('weightmap 1\nrename "midlayer.{r*}" -> "layers.0.{r}"\nunmatched keep\n')
     before = _hashes(ckpt)
     with pytest.raises(weightmap.ExecutionError, match="cannot write the journal"):
@@ -1148,7 +1149,7 @@ def test_clean_never_writes_a_journal_config_through_a_planted_link(
         headers = inplace_headers(compile_plan(load_mapping(_inplace_mapping()), c.specs()), c)
     _journal(ckpt, {p.name: _b64(h) for p, h in headers.items()}, config='{"pwned": true}')
     monkeypatch.setattr(secrets, "token_hex", lambda n: "feedbeef")
-    planted = ckpt / f".config.json.weightmap-tmp-{os.getpid()}-feedbeef-inplace"
+    planted = ckpt / f".config.json.weightmap-tmp-{owner_tag()}-feedbeef-inplace"
     planted.symlink_to(victim)
     with pytest.raises(OSError):
         weightmap.recover(ckpt)

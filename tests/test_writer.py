@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.atomic import TMP_MARKER, _renameat2
+from weightmap.format.atomic import TMP_MARKER, _renameat2, owner_tag, stale_temporaries
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
@@ -226,7 +226,12 @@ def test_overwrite_without_renameat2_restores_the_old_output_on_failure(
     real_rename = os.rename
 
     def failing(src: object, dst: object) -> None:
-        if TMP_MARKER in str(src) and "old-" not in str(src):  # the new output moving in
+        if TMP_MARKER in str(src) and not str(src).endswith("-old"):  # the new output moving in
+            # The old output, aside, is this live process's: no other run may take it for a
+            # stale leftover and remove it while it may have to go back.
+            aside = [p for p in tmp_path.iterdir() if p.name.endswith("-old")]
+            assert len(aside) == 1 and owner_tag() in aside[0].name
+            assert aside[0] not in stale_temporaries(tmp_path)
             raise OSError(errno.EIO, "injected failure")
         real_rename(src, dst)  # type: ignore[arg-type]
 
@@ -258,6 +263,19 @@ def test_temporary_folder_is_private_until_committed(tmp_path: Path, umask: int)
         assert dest.stat().st_mode & 0o777 == expected == 0o777 & ~umask
     finally:
         os.umask(old)
+
+
+def test_temporary_folder_names_its_host_and_pid_namespace(tmp_path: Path) -> None:
+    """A local conversion's temporary folder carries where its pid can be checked, as a cluster
+    run's does: on a volume shared between containers, one with its own pids must not take
+    another's live conversion for a dead one."""
+    w = CheckpointWriter(tmp_path / "out", [TensorSpec("a", "U8", (1,))])
+    w.open()
+    try:
+        assert w.tmp is not None and w.tmp.name.startswith(f".out{TMP_MARKER}{owner_tag()}-")
+        assert stale_temporaries(tmp_path) == []
+    finally:
+        w.abort()
 
 
 def test_destination_holding_the_input_is_refused(tmp_path: Path) -> None:

@@ -133,7 +133,6 @@ def execute_tasks(
         metadata=metadata,
         extra_files=extra_files,
         layout=layout,
-        shared=True,
     )
     stats = ExecutionStats(checksums={} if checksum else None)
     if before_commit is not None:

@@ -108,10 +108,9 @@ def plan_writer(
     metadata: dict[str, str] | None = None,
     extra_files: Sequence[tuple[str, bytes]] = (),
     layout: Layouts = "clone",
-    shared: bool = False,
 ) -> tuple[CheckpointWriter, Sources]:
     """The writer of ``plan``'s output and where its bytes come from: every executor plans the
-    output here, so that they all write the same bytes (``shared``: see the writer)."""
+    output here, so that they all write the same bytes."""
     with gc_paused():  # (format/gcpause.py: many small objects, no cycles)
         sources = _sources(plan, ckpt)
         files = ckpt.files
@@ -126,7 +125,6 @@ def plan_writer(
             origins=sources.origins,
             inputs=files,
             layout=layout,
-            shared=shared,
         )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)

@@ -1,10 +1,11 @@
 """Atomic commits: temporary siblings, fsync, and renames that never clobber by accident.
 
 Everything weightmap writes goes first into a temporary sibling named
-``.<dest>.weightmap-tmp-<pid>-<token>`` (recognisable, so a later run or ``weightmap clean`` can
-find what a killed run left behind), and is moved into place only when complete. A folder that
-processes on other machines write into (a conversion on a cluster) is named
-``.<dest>.weightmap-tmp-<pid>@<host>-<token>``: its pid means something on that host only.
+``.<dest>.weightmap-tmp-<pid>@<where>-<token>`` (recognisable, so a later run or ``weightmap
+clean`` can find what a killed run left behind), and is moved into place only when complete.
+``<where>`` names the host and its pid namespace (``<host>+<namespace>``): a pid means something
+only there, and a folder may be shared between machines (a conversion on a cluster) or between
+containers of one machine, each with its own pids.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "fsync_dir",
     "host_name",
     "is_within",
+    "owner_tag",
     "removal_problem",
     "remove_path",
     "renameat2",
@@ -52,27 +54,48 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "_"
 
 
+@functools.cache
+def _pid_namespace() -> str:
+    """This process's pid namespace (its inode number), or "" where that cannot be known."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # not Linux, or no /proc
+        return ""
+
+
+def owner_tag() -> str:
+    """``<pid>@<host>+<pid namespace>``: who writes a temporary, as its name carries it.
+
+    The host alone does not say where a pid can be checked: containers of one machine often
+    share its name (host networking) but each has its own pids, so the namespace goes in too.
+    """
+    namespace = _pid_namespace()
+    where = f"{host_name()}+{namespace}" if namespace else host_name()
+    return f"{os.getpid()}@{where}"
+
+
 def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
     """Temporary outputs in ``folder`` left by runs that no longer exist.
 
-    A name carries its writer's pid (``.<dest>.weightmap-tmp-<pid>-<token>``): one whose
-    process is alive belongs to a running conversion and is never listed. A name that also
-    carries a host (``<pid>@<host>``, a conversion on a cluster) is listed only on that host,
-    where its pid can be checked. Leftovers of an overwrite's swap (``-old-``) and of
-    small-file replacements are always stale.
+    A name carries its writer's pid and where that pid lives
+    (``.<dest>.weightmap-tmp-<pid>@<host>+<namespace>-<token>``, see ``owner_tag``): it is
+    listed only where that is here, once that process is gone. A live process's temporary,
+    and one from another host or another container's pid namespace, whose process cannot be
+    checked from here, are never listed. Names written by earlier versions carry a pid alone
+    (``<pid>-<token>``) or with a host alone, and are judged by those; their overwrite
+    leftovers (``old-<token>``) by nothing, they are stale.
     """
     prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
+    here = owner_tag().partition("@")[2]
     found = []
     for entry in folder.iterdir() if folder.is_dir() else ():
         name = entry.name
-        if not name.startswith(prefix) or TMP_MARKER.rstrip("-") not in name:
+        if not name.startswith(prefix) or TMP_MARKER not in name:
             continue
-        tail = name.split(TMP_MARKER, 1)[1] if TMP_MARKER in name else ""
-        pid_text = tail.split("-", 1)[0]
-        if "@" in tail:
-            pid_text, _, host = tail.rpartition("-")[0].partition("@")
-            if host != host_name():
-                continue  # another machine's: its process cannot be checked from here
+        owner = name.split(TMP_MARKER, 1)[1].split("-", 1)[0]
+        pid_text, at, where = owner.partition("@")
+        if at and where not in (here, host_name()):  # a bare host: written before namespaces
+            continue  # another machine's or container's: its process cannot be checked here
         if pid_text.isdigit() and _pid_alive(int(pid_text)):
             continue
         found.append(entry)

@@ -31,8 +31,8 @@ from weightmap.format.atomic import (
     RENAME_NOREPLACE,
     TMP_MARKER,
     fsync_dir,
-    host_name,
     is_within,
+    owner_tag,
     removal_problem,
     remove_path,
     renameat2,
@@ -105,11 +105,8 @@ class CheckpointWriter:
         origins: Mapping[str, Origin] | None = None,
         inputs: Sequence[str | os.PathLike[str]] = (),
         layout: Layouts = "clone",
-        shared: bool = False,
     ) -> None:
         self.dest = Path(dest)
-        # Written by processes on other machines too: the temporary name carries this host.
-        self.shared = shared
         if len({s.name for s in specs}) != len(specs):
             counts = Counter(s.name for s in specs)
             dup = sorted(n for n, c in counts.items() if c > 1)
@@ -188,8 +185,7 @@ class CheckpointWriter:
             with contextlib.suppress(OSError):
                 remove_path(stale)
         token = secrets.token_hex(4)
-        owner = f"{os.getpid()}@{host_name()}" if self.shared else str(os.getpid())
-        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{owner}-{token}"
+        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{owner_tag()}-{token}"
         try:
             # Private while it is written (tasks on other machines reopen its files by path:
             # with a group-writable umask, a member of the group could swap one for a link),
@@ -436,7 +432,10 @@ class CheckpointWriter:
                 self.tmp = None
                 self._remove_old(tmp)
             else:
-                old = dest.parent / f".{dest.name}{TMP_MARKER}old-{secrets.token_hex(4)}"
+                # Named as ours, so that no other run takes it for stale and removes it while
+                # it may still have to go back.
+                token = secrets.token_hex(4)
+                old = dest.parent / f".{dest.name}{TMP_MARKER}{owner_tag()}-{token}-old"
                 os.rename(dest, old)
                 try:
                     os.rename(tmp, dest)
