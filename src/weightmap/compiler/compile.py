@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.compiler.arith import VALUE_OPS, build_value
+from weightmap.compiler.bulk import bulk_renames
 from weightmap.compiler.configedit import apply_config_block
 from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
@@ -253,7 +254,12 @@ def run_rules(
     c: _Compiler, rules: list[A.Rule], scope: Scope, unmatched: A.Unmatched | None
 ) -> tuple[list[OutputTensor], list[Dropped]]:
     """Apply the rules in order to the working set (route.py); outputs in plan order, drops."""
-    ws = WorkingSet(Router(rules, scope), c.report)
+    router = Router(rules, scope)
+    where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)
+    bulk = bulk_renames(router, scope, c.inputs, unmatched, where)
+    if bulk is not None:  # keep and rename alone, nothing to report (bulk.py)
+        return bulk
+    ws = WorkingSet(router, c.report)
     ws.start(c.inputs)
     gone: dict[str, A.Loc] = {}  # input name -> the rule that last took a tensor made from it
     for r, rule in enumerate(rules):

@@ -1,0 +1,136 @@
+"""The rules of the commonest plan there is, keep and rename alone, applied in one pass.
+
+A rename of every tensor of a checkpoint (``layers.{i}.{rest}``, a prefix added or removed)
+is most of what people convert, and a checkpoint may hold 100,000 tensors. The working set
+(``route.py``) makes several objects per tensor so that it can route any rule's outputs on
+and explain any problem; this pass makes only the plan's own: one spec, one source node and
+one output per tensor. It gives the very plan the working set gives, or None wherever the two
+could differ or there is anything to report (a rule that takes nothing, a collision, a
+template that fails, an output a later rule would rename, an input no rule takes while the
+policy says error): the working set then runs from the start, and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from weightmap.compiler.ops import tensor_namer
+from weightmap.compiler.route import Router
+from weightmap.errors import LocatedProblem
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language import ast as A
+from weightmap.language.values import Scope
+from weightmap.plan.nodes import Source
+from weightmap.plan.plan import Dropped, OutputTensor
+
+__all__ = ["bulk_renames"]
+
+FullMatch = Callable[[str], "re.Match[str] | None"]
+Owner = tuple[int, int]  # (rule, pattern index)
+
+_RENAMES = ("keep", "rename")
+
+
+def bulk_renames(
+    router: Router,
+    scope: Scope,
+    inputs: Sequence[TensorSpec],
+    unmatched: A.Unmatched | None,
+    where: A.Loc,
+) -> tuple[list[OutputTensor], list[Dropped]] | None:
+    """``run_rules``'s outputs and drops for keep/rename rules without filters, or None.
+
+    Each input goes to the first rule that takes it, as in the working set; its output is
+    that rule's name for it, made by that rule (its origin). A later rule may take the output
+    only to keep it as it is (``keep "**"`` below the renames: the output goes on unchanged,
+    its origin too); any other second hop is the working set's. Outputs come in input order,
+    as there.
+    """
+    rules = router.rules
+    if not rules or any(rule.op not in _RENAMES for rule in rules):
+        return None
+    matcher = router.matcher(0)
+    fullmatch, outer, captures, accepts = matcher.parts()
+    if any(accept is not None for accept in accepts):  # a `where`: the working set filters
+        return None
+    owners = matcher.owners
+    count = len(rules)
+    namers = [tensor_namer(rule.outputs[0], scope) if rule.outputs else None for rule in rules]
+    # The rules below r, which an output of r goes on to: (fullmatch, outer groups, owners).
+    below = [_after(router, r) for r in range(count)]
+    # Where each rule's patterns start among all of them (``hit`` is indexed so).
+    first = [0]
+    for rule in rules:
+        first.append(first[-1] + len(rule.patterns))
+    policy = unmatched.policy if unmatched else "error"
+    hit = [False] * len(owners)  # which patterns took something
+    rule_of: dict[str, int] = {}  # input name -> the rule that takes it (count: none)
+    outputs: list[OutputTensor] = []
+    append = outputs.append
+    made: list[tuple[str, int]] = []  # (output name, rule) where it differs from the input's
+    dropped: list[Dropped] = []
+    of_source, of_output = Source.of, OutputTensor.of
+    for spec in inputs:
+        name = spec.name
+        found = fullmatch(name)
+        if found is None:
+            rule_of[name] = count
+            if policy == "keep":
+                append(of_output(spec, of_source(name, spec.dtype, spec.shape), where))
+            elif policy == "drop":
+                dropped.append(Dropped(name=name, origin=where))
+            else:
+                return None  # unmatched inputs are an error: the working set lists them
+            continue
+        k = outer[found.lastindex or 0]
+        r = owners[k][0]
+        rule_of[name] = r
+        hit[k] = True
+        render = namers[r]
+        if render is None:
+            out = spec
+        else:
+            try:
+                new = render(spec, captures[k](found))
+            except LocatedProblem:
+                return None
+            out = spec if new == name else spec.named(new)
+            if new != name:
+                made.append((new, r))
+        origin = rules[r].loc
+        rest = below[r]
+        while rest is not None:
+            again = rest[0](out.name)
+            if again is None:
+                break
+            r, pattern_index = rest[2][rest[1][again.lastindex or 0]]
+            if namers[r] is not None:
+                return None  # renamed twice: the working set's
+            hit[first[r] + pattern_index] = True  # kept as it is, and on to the rules below
+            rest = below[r]
+        append(of_output(out, of_source(name, spec.dtype, spec.shape), origin))
+    if len(rule_of) != len(inputs):
+        return None  # a name twice among the inputs: reported by the compiler
+    used = {owner for owner, taken in zip(owners, hit, strict=True) if taken}
+    for r, rule in enumerate(rules):
+        if not rule.optional and any((r, i) not in used for i in range(len(rule.patterns))):
+            return None  # a pattern that matches nothing: the working set says why
+    # Names are unique in the working set at every moment: an output may only take the name
+    # of an input that a rule up to its own has taken already.
+    names = [o.name for o in outputs]
+    if len(set(names)) != len(names):
+        return None
+    for new, r in made:
+        if rule_of.get(new, -1) > r:
+            return None
+    return outputs, dropped
+
+
+def _after(router: Router, r: int) -> tuple[FullMatch, dict[int, int], list[Owner]] | None:
+    """What finds the rule below ``r`` that takes a name, or None below the last rule."""
+    if r + 1 >= len(router.rules):
+        return None
+    matcher = router.matcher(r + 1)
+    fullmatch, outer, _captures, _accepts = matcher.parts()
+    return fullmatch, outer, matcher.owners

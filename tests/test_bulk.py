@@ -1,0 +1,151 @@
+"""The one-pass keep/rename compile (compiler/bulk.py) gives exactly the working set's plan,
+or leaves the mapping to the working set: same outputs, origins, drops and errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from weightmap.compiler import bulk
+from weightmap.compiler import compile as compile_module
+from weightmap.compiler.compile import compile_plan
+from weightmap.errors import MappingError
+from weightmap.format.dtypes import TensorSpec
+from weightmap.language.mapping import load_mapping
+
+PATTERNS = [
+    '"a.{i:int}.{r*}"',
+    '"a.{i}.w"',
+    '"b.**"',
+    '"**"',
+    '"*.0.w"',
+    '"a.1.b"',
+    '"c.{p:w,b}"',
+    '"x.{i:int}.{r*}"',
+    '"nothing.{r*}"',
+]
+# Templates over the captures every pattern above may give: some rename into names that
+# exist (collisions), into names a later rule takes (a second hop), or leave them as they are.
+TEMPLATES = {
+    '"a.{i:int}.{r*}"': ['"x.{i}.{r}"', '"a.{i + 1}.{r}"', '"b.{r}"', '"a.{i}.{r}"', '"y"'],
+    # (`i` is a string here: `{i + 1}` fails, for some tensors, while the rule runs.)
+    '"a.{i}.w"': ['"x.{i}.w"', '"w.{i}"', '"a.{i}.w"', '"x.{i + 1}.w"'],
+    '"b.**"': ['"moved"'],
+    '"**"': ['"z"'],
+    '"*.0.w"': ['"zero"'],
+    '"a.1.b"': ['"a.1.b2"', '"a.0.w"'],
+    '"c.{p:w,b}"': ['"c.{p}.x"', '"{p}"'],
+    '"x.{i:int}.{r*}"': ['"x.{i}.{r}.again"'],
+    '"nothing.{r*}"': ['"never.{r}"'],
+}
+NAMES = ["a.0.w", "a.0.b", "a.1.w", "a.1.b", "a.12.w", "b.w", "b.q.w", "c.w", "c.b", "x.3.w"]
+
+
+@st.composite
+def mappings(draw: st.DrawFn) -> str:
+    lines = ["weightmap 1"]
+    for _ in range(draw(st.integers(1, 3))):
+        pattern = draw(st.sampled_from(PATTERNS))
+        # Weighted towards plans the one pass takes: optional rules, a kept remainder.
+        op = draw(
+            st.sampled_from(
+                ["rename?"] * 4 + ["rename"] * 2 + ["keep?"] * 2 + ["keep", "cast", "drop"]
+            )
+        )
+        if op.startswith("rename"):
+            lines.append(f"{op} {pattern} -> {draw(st.sampled_from(TEMPLATES[pattern]))}")
+        elif op.startswith("keep"):
+            # Where the working set filters (a `where`), the one pass stands aside.
+            where = draw(st.sampled_from(["", "", " where dtype == f32"]))
+            lines.append(f"{op} {pattern}{where}")
+        elif op == "cast":
+            lines.append(f"cast {pattern} to f16 where dtype == f32")
+        else:
+            lines.append(f"drop? {pattern}")
+    policies = ["unmatched keep"] * 3 + ["unmatched drop"] * 2 + ["", "unmatched error"]
+    policy = draw(st.sampled_from(policies))
+    if policy:
+        lines.append(policy)
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def inputs(draw: st.DrawFn) -> list[TensorSpec]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=8, unique=True))
+    if draw(st.integers(0, 4)) == 0 and len(names) > 1:
+        names.append(names[0])  # a name twice: the compiler reports it
+    dtypes = st.sampled_from(["F32", "BF16"])
+    return [TensorSpec(n, draw(dtypes), (draw(st.integers(1, 3)), 2)) for n in names]
+
+
+def _outcome(text: str, specs: list[TensorSpec], one_pass: bool) -> Any:
+    """The plan's outputs (name, spec, node, origin) and drops, or the error's text."""
+    mapping = load_mapping(text)
+    patch = pytest.MonkeyPatch()
+    if not one_pass:
+        patch.setattr(compile_module, "bulk_renames", lambda *a, **k: None)
+    try:
+        plan = compile_plan(mapping, specs, None)
+    except MappingError as exc:
+        return ("error", str(exc))
+    finally:
+        patch.undo()
+    outputs = [(o.name, o.spec, o.spec.nbytes, o.node, o.origin) for o in plan.outputs]
+    return (outputs, plan.dropped, plan.warnings)
+
+
+def _spy(patch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each compile through ``patch`` took the one pass (True) or left it (False)."""
+    taken: list[bool] = []
+    real = bulk.bulk_renames
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        found = real(*args, **kwargs)
+        taken.append(found is not None)
+        return found
+
+    patch.setattr(compile_module, "bulk_renames", spy)
+    return taken
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mappings(), inputs())
+def test_one_pass_is_the_working_set(text: str, specs: list[TensorSpec]) -> None:
+    patch = pytest.MonkeyPatch()
+    taken = _spy(patch)
+    try:
+        fast = _outcome(text, specs, one_pass=True)
+    finally:
+        patch.undo()
+    event(f"one pass: {any(taken)}")
+    assert fast == _outcome(text, specs, one_pass=False), text
+
+
+def test_a_rename_of_every_tensor_takes_the_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commonest plans (every layer renamed, the rest kept) are made in one pass, and are
+    the working set's plans; a filter, a collision or a second rename leave it to the working
+    set."""
+    specs = [TensorSpec(f"model.layers.{i}.w{j}", "BF16", (4, 4)) for i in range(3) for j in (0, 1)]
+    specs.append(TensorSpec("lm_head.weight", "BF16", (4, 4)))
+    calls = _spy(monkeypatch)
+    cases = {
+        'rename "model.layers.{i:int}.{r*}" -> "layers.{i}.{r}"\nunmatched keep\n': True,
+        'rename "model.layers.{i:int}.{r*}" -> "layers.{i}.{r}"\nkeep "lm_head.weight"\n': True,
+        # Below the renames, a keep of everything: outputs go on through it unchanged.
+        'rename "model.layers.{i:int}.{r*}" -> "layers.{i}.{r}"\nkeep "**"\n': True,
+        'rename "{r*}" -> "all.{r}"\nkeep "all.**"\n': True,  # the keep takes outputs alone
+        'keep "**" where dtype == bf16\n': False,  # a filter
+        'rename "model.layers.{i:int}.w0" -> "model.layers.{i}.w1"\nunmatched keep\n': False,
+        'rename "model.layers.{i:int}.{r*}" -> "l.{i}.{r}"\nrename? "l.{r*}" -> "m.{r}"\n'
+        "unmatched keep\n": False,  # a second hop
+        # Onto the name of an input no rule takes, which is still there when the rule runs.
+        'rename "model.layers.0.w0" -> "lm_head.weight"\nunmatched drop\n': False,
+    }
+    for body, one_pass in cases.items():
+        calls.clear()
+        text = "weightmap 1\n" + body
+        assert _outcome(text, specs, one_pass=True) == _outcome(text, specs, one_pass=False)
+        assert calls == [one_pass], body
