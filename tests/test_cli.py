@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -270,10 +271,18 @@ def test_clean_removes_leftovers_of_dead_runs(tmp_path: Path) -> None:
     (dead / "model.safetensors").write_bytes(b"partial")
     alive = tmp_path / f".out.weightmap-tmp-{owner_tag()}-abcd"
     alive.mkdir()
+    # Another container's (its own pids, the same host name): never judged from here.
+    elsewhere = tmp_path / f".out.weightmap-tmp-999999999@{here.partition('+')[0]}+1-abcd"
+    elsewhere.mkdir()
     r = run("clean", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert not dead.exists() and alive.exists()
-    assert run("clean", str(tmp_path)).stdout.startswith("nothing to clean")
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
+    again = run("clean", str(tmp_path)).stdout
+    assert again.startswith("nothing to clean")
+    # What stays is named, with why: a leftover must not take disk space silently.
+    assert f"left {alive}: its conversion (process {os.getpid()}) is still running" in again
+    assert f"left {elsewhere}: written by process 999999999 on " in again
+    assert "cannot be checked from here" in again
 
 
 def test_clean_goes_on_past_a_leftover_it_cannot_remove(

@@ -312,6 +312,31 @@ def test_temporaries_of_another_host_or_container_are_never_stale(tmp_path: Path
     assert stale_temporaries(tmp_path, "other") == []
 
 
+def test_temporaries_where_the_namespace_is_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that cannot read its pid namespace says so (``+0``), rather than writing the
+    bare host of earlier versions: its pid is judged only where the namespace is unknown too.
+    A destination whose own name holds the marker is parsed from the last one."""
+    from weightmap.format import atomic
+
+    host = host_name()
+    unknown_dead = tmp_path / f".out{TMP_MARKER}999999999@{host}+0-abcd"
+    unknown_dead.mkdir()
+    assert stale_temporaries(tmp_path) == []  # this process knows its namespace
+    monkeypatch.setattr(atomic, "_pid_namespace", lambda: "0")
+    assert owner_tag() == f"{os.getpid()}@{host}+0"
+    assert stale_temporaries(tmp_path) == [unknown_dead]
+    monkeypatch.undo()
+    unknown_dead.rmdir()
+    odd = f"out{TMP_MARKER}1"
+    alive = tmp_path / f".{odd}{TMP_MARKER}{owner_tag()}-abcd"
+    alive.mkdir()
+    assert stale_temporaries(tmp_path) == []
+    assert stale_temporaries(tmp_path, odd) == []
+    assert stale_temporaries(tmp_path, "out") == []
+
+
 def test_failed_task_leaves_nothing(tmp_path: Path) -> None:
     plan = _checkpoint(tmp_path)
 

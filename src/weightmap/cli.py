@@ -20,7 +20,7 @@ from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, remap
 from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
 from weightmap.execute.inplace import recover
-from weightmap.format.atomic import remove_path, stale_temporaries
+from weightmap.format.atomic import remove_path, temporaries
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, strict_json
@@ -283,17 +283,25 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         print(f"finished an interrupted in-place rewrite of {folder}")
         actions += 1
     failed = 0
-    for stale in stale_temporaries(folder):
+    kept = []
+    for path, why in temporaries(folder):
+        if why is not None:
+            kept.append(f"left {path}: {why}")
+            continue
         try:
-            remove_path(stale)
+            remove_path(path)
         except OSError as exc:  # another user's, or in a read-only folder: say so, go on
-            print(f"weightmap: could not remove {stale}: {exc.strerror or exc}", file=sys.stderr)
+            print(f"weightmap: could not remove {path}: {exc.strerror or exc}", file=sys.stderr)
             failed += 1
             continue
-        print(f"removed {stale}")
+        print(f"removed {path}")
         actions += 1
     if not actions and not failed:
         print(f"nothing to clean in {folder}")
+    # What stays is named too: a leftover of another container (a restarted one has a new pid
+    # namespace) would otherwise take its disk space silently.
+    for line in kept:
+        print(line)
     return 1 if failed else 0
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "remove_path",
     "renameat2",
     "stale_temporaries",
+    "temporaries",
 ]
 
 TMP_MARKER = ".weightmap-tmp-"
@@ -56,11 +57,12 @@ def host_name() -> str:
 
 @functools.cache
 def _pid_namespace() -> str:
-    """This process's pid namespace (its inode number), or "" where that cannot be known."""
+    """This process's pid namespace (its inode number), or "0" where that cannot be known
+    (no inode is 0): a name that says so is judged only where it cannot be known either."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:  # not Linux, or no /proc
-        return ""
+        return "0"
 
 
 def owner_tag() -> str:
@@ -69,37 +71,49 @@ def owner_tag() -> str:
     The host alone does not say where a pid can be checked: containers of one machine often
     share its name (host networking) but each has its own pids, so the namespace goes in too.
     """
-    namespace = _pid_namespace()
-    where = f"{host_name()}+{namespace}" if namespace else host_name()
-    return f"{os.getpid()}@{where}"
+    return f"{os.getpid()}@{host_name()}+{_pid_namespace()}"
 
 
-def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
-    """Temporary outputs in ``folder`` left by runs that no longer exist.
+def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, str | None]]:
+    """Every temporary output in ``folder`` (of ``dest_name``'s, if given), each with why it
+    must stay, or None for one a run that no longer exists left behind (stale).
 
     A name carries its writer's pid and where that pid lives
     (``.<dest>.weightmap-tmp-<pid>@<host>+<namespace>-<token>``, see ``owner_tag``): it is
-    listed only where that is here, once that process is gone. A live process's temporary,
+    stale only where that is here, once that process is gone. A live process's temporary,
     and one from another host or another container's pid namespace, whose process cannot be
-    checked from here, are never listed. Names written by earlier versions carry a pid alone
+    checked from here, stay. Names written by earlier versions carry a pid alone
     (``<pid>-<token>``) or with a host alone, and are judged by those; their overwrite
     leftovers (``old-<token>``) by nothing, they are stale.
     """
     prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
     here = owner_tag().partition("@")[2]
-    found = []
+    found: list[tuple[Path, str | None]] = []
     for entry in folder.iterdir() if folder.is_dir() else ():
         name = entry.name
         if not name.startswith(prefix) or TMP_MARKER not in name:
             continue
-        owner = name.split(TMP_MARKER, 1)[1].split("-", 1)[0]
+        # The last marker: a destination's own name may hold one.
+        owner = name.rsplit(TMP_MARKER, 1)[1].split("-", 1)[0]
         pid_text, at, where = owner.partition("@")
         if at and where not in (here, host_name()):  # a bare host: written before namespaces
-            continue  # another machine's or container's: its process cannot be checked here
-        if pid_text.isdigit() and _pid_alive(int(pid_text)):
-            continue
-        found.append(entry)
-    return sorted(found)
+            why = (
+                f"written by process {pid_text} on {where.replace('+', ' in pid namespace ')}, "
+                "which cannot be checked from here; remove it by hand once no conversion runs "
+                "there"
+            )
+            found.append((entry, why))
+        elif pid_text.isdigit() and _pid_alive(int(pid_text)):
+            found.append((entry, f"its conversion (process {pid_text}) is still running"))
+        else:
+            found.append((entry, None))
+    return sorted(found, key=lambda item: item[0])
+
+
+def stale_temporaries(folder: Path, dest_name: str | None = None) -> list[Path]:
+    """The temporary outputs in ``folder`` that runs which no longer exist left behind (see
+    ``temporaries``)."""
+    return [path for path, why in temporaries(folder, dest_name) if why is None]
 
 
 def remove_path(path: Path) -> None:
