@@ -204,3 +204,30 @@ def test_every_unwritable_output_name_is_reported_in_any_company(
     assert len(said) == 1 and repr(bad[:80]) in said[0]
     check_names(outputs([*company, "é.ü", "a b", "x" * 1024]), lambda *_: said.append("!"))
     assert len(said) == 1
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["a." + "1" * 5000],  # int() refuses a string of over 4300 digits
+        ["a.\u00b2", "a.3"],  # "²" is a digit to str.isdigit(), not to int()
+        ["a." + "7" * 1025, "a.08"],
+    ],
+)
+def test_odd_digit_names_are_reported_not_crashed_on(names: list[str]) -> None:
+    """Input names are the checkpoint's: an all-digit segment no integer capture takes (too
+    long, not ASCII, not canonical) is an unmatched name like any other, listed as text."""
+    specs = [T(n, "F32", (1,)) for n in names]
+    with pytest.raises(MappingError, match="match no rule"):
+        compile_plan(load_mapping('weightmap 1\nkeep "a.{n:int}"\n'), specs)
+    kept = load_mapping('weightmap 1\nkeep? "a.{n:int}"\nunmatched keep\n')
+    if all(len(n) <= 1024 for n in names):
+        assert [o.name for o in compile_plan(kept, specs).outputs] == names
+    else:
+        with pytest.raises(MappingError, match="longer than 1024 characters"):
+            compile_plan(kept, specs)
+
+
+def test_an_integer_capture_takes_up_to_1024_digits() -> None:
+    m = load_mapping('weightmap 1\nrename "a.{n:int}" -> "{n}"\n')
+    assert compile_plan(m, [T("a." + "9" * 1024, "F32", (1,))]).outputs[0].name == "9" * 1024

@@ -20,7 +20,9 @@ from weightmap.language import ast as A
 
 __all__ = ["Alternative", "Matcher", "compile_pattern", "pattern_regex"]
 
-_INT = r"0|[1-9][0-9]*"  # canonical integers only, so "{n}" renders back to the same text
+# Canonical integers only, so that "{n}" renders back to the same text; of at most 1024
+# digits, the longest name there may be (int() refuses a string of over 4300 digits).
+_INT = r"0|[1-9][0-9]{0,1023}"
 
 
 def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, A.CaptureKind]]]:

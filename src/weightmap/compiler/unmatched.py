@@ -10,6 +10,20 @@ from __future__ import annotations
 __all__ = ["compact_names", "ranges"]
 
 MAX_LINES = 50
+# Longer all-digit segments are listed as text: a name is input, and int() refuses a string of
+# over 4300 digits (str.isdigit() also says yes to "²", which int() refuses too).
+_MAX_DIGITS = 100
+
+
+def _number(segment: str) -> bool:
+    """An all-ASCII-digit segment in canonical form (``0``, ``17``; not ``07``), listed as one
+    of a range."""
+    return (
+        len(segment) <= _MAX_DIGITS
+        and segment.isascii()
+        and segment.isdigit()
+        and (segment == "0" or segment[0] != "0")
+    )
 
 
 def ranges(values: set[int]) -> str:
@@ -33,7 +47,7 @@ def compact_names(names: list[str]) -> list[str]:
     counts: dict[tuple[str, ...], int] = {}
     for name in names:
         segs = name.split(".")
-        key = tuple("#" if s.isdigit() and (s == "0" or s[0] != "0") else s for s in segs)
+        key = tuple("#" if _number(s) else s for s in segs)
         nums = [int(s) for s, k in zip(segs, key, strict=True) if k == "#"]
         slots = groups.setdefault(key, [set() for _ in nums])
         for slot, n in zip(slots, nums, strict=True):
