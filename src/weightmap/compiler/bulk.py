@@ -95,8 +95,10 @@ def bulk_renames(
                 new = render(spec, captures[k](found))
             except LocatedProblem:
                 return None
-            out = spec if new == name else spec.named(new)
-            if new != name:
+            if new == name:
+                out = spec
+            else:
+                out = spec.named(new)
                 made.append((new, r))
         origin = rules[r].loc
         rest = below[r]

@@ -295,7 +295,7 @@ def run_rules(
             else:
                 for src in node.sources():
                     gone[src.name] = rule.loc
-    return _finish(c, ws, unmatched, gone)
+    return _finish(c, ws, unmatched, gone, where)
 
 
 class _Step:
@@ -436,11 +436,15 @@ def _nothing(
 
 
 def _finish(
-    c: _Compiler, ws: WorkingSet, unmatched: A.Unmatched | None, gone: dict[str, A.Loc]
+    c: _Compiler,
+    ws: WorkingSet,
+    unmatched: A.Unmatched | None,
+    gone: dict[str, A.Loc],
+    where: A.Loc,
 ) -> tuple[list[OutputTensor], list[Dropped]]:
-    """The set after the last rule: outputs, the unmatched policy, and the dropped inputs."""
+    """The set after the last rule: outputs, the unmatched policy (``where``: its statement,
+    or the mapping's first line for the default), and the dropped inputs."""
     policy = unmatched.policy if unmatched else "error"
-    where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)
     leftovers = [item for item in ws.final if not item.touched]
     if leftovers and policy == "error":
         listing = "\n    ".join(compact_names([i.spec.name for i in leftovers]))

@@ -25,7 +25,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanError
-from weightmap.format.atomic import TMP_MARKER, fsync_dir, owner_tag
+from weightmap.format.atomic import fsync_dir, temporary_path
 from weightmap.format.checkpoint import Checkpoint, resolve_shard
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
@@ -74,8 +73,7 @@ def _replace_small(path: Path, data: bytes) -> None:
     folder may hold links named like our temporaries, pointing at files outside it, and
     ``weightmap clean`` replays a journal found in such a folder.
     """
-    token = secrets.token_hex(4)
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{owner_tag()}-{token}-inplace")
+    tmp = temporary_path(path, "-inplace")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -17,6 +17,7 @@ import fcntl
 import functools
 import os
 import re
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "renameat2",
     "stale_temporaries",
     "temporaries",
+    "temporary_path",
 ]
 
 TMP_MARKER = ".weightmap-tmp-"
@@ -74,6 +76,12 @@ def owner_tag() -> str:
     return f"{os.getpid()}@{host_name()}+{_pid_namespace()}"
 
 
+def temporary_path(dest: Path, suffix: str = "") -> Path:
+    """A fresh temporary sibling of ``dest``, named as ``temporaries`` reads it:
+    ``.<dest>.weightmap-tmp-<owner>-<random><suffix>``."""
+    return dest.with_name(f".{dest.name}{TMP_MARKER}{owner_tag()}-{secrets.token_hex(4)}{suffix}")
+
+
 def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, str | None]]:
     """Every temporary output in ``folder`` (of ``dest_name``'s, if given), each with why it
     must stay, or None for one a run that no longer exists left behind (stale).
@@ -88,6 +96,7 @@ def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, 
     """
     prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
     here = owner_tag().partition("@")[2]
+    bare = host_name()  # what names written before namespaces carry
     found: list[tuple[Path, str | None]] = []
     for entry in folder.iterdir() if folder.is_dir() else ():
         name = entry.name
@@ -96,7 +105,7 @@ def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, 
         # The last marker: a destination's own name may hold one.
         owner = name.rsplit(TMP_MARKER, 1)[1].split("-", 1)[0]
         pid_text, at, where = owner.partition("@")
-        if at and where not in (here, host_name()):  # a bare host: written before namespaces
+        if at and where not in (here, bare):
             why = (
                 f"written by process {pid_text} on {where.replace('+', ' in pid namespace ')}, "
                 "which cannot be checked from here; remove it by hand once no conversion runs "

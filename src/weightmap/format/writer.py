@@ -14,7 +14,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import shutil
 import stat
 import threading
@@ -29,14 +28,13 @@ from weightmap.errors import ExecutionError, OutputExistsError
 from weightmap.format.atomic import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
-    TMP_MARKER,
     fsync_dir,
     is_within,
-    owner_tag,
     removal_problem,
     remove_path,
     renameat2,
     stale_temporaries,
+    temporary_path,
 )
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import (
@@ -184,8 +182,7 @@ class CheckpointWriter:
         for stale in stale_temporaries(self.dest.parent, self.dest.name):
             with contextlib.suppress(OSError):
                 remove_path(stale)
-        token = secrets.token_hex(4)
-        self.tmp = self.dest.parent / f".{self.dest.name}{TMP_MARKER}{owner_tag()}-{token}"
+        self.tmp = temporary_path(self.dest)
         try:
             # Private while it is written (tasks on other machines reopen its files by path:
             # with a group-writable umask, a member of the group could swap one for a link),
@@ -434,8 +431,7 @@ class CheckpointWriter:
             else:
                 # Named as ours, so that no other run takes it for stale and removes it while
                 # it may still have to go back.
-                token = secrets.token_hex(4)
-                old = dest.parent / f".{dest.name}{TMP_MARKER}{owner_tag()}-{token}-old"
+                old = temporary_path(dest, "-old")
                 os.rename(dest, old)
                 try:
                     os.rename(tmp, dest)
