@@ -7,14 +7,18 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
 import weightmap
 import weightmap.cli
+from weightmap.format import layout as layout_module
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import (
@@ -188,3 +192,64 @@ def test_dropped_tensor_in_between_keeps_the_larger_run_congruent() -> None:
     (shard,) = planned.shards
     assert shard.offsets["big"][0] % block == at % block
     assert shard.offsets["small"][0] % block != 2048
+
+
+# -- the one-pass layout of a plan that copies every output whole ------------------------------
+
+_DTYPES = ("BOOL", "U8", "BF16", "F16", "F32", "I64")
+
+
+@st.composite
+def _whole_copies(draw: st.DrawFn) -> tuple[list[TensorSpec], dict[str, Origin], int]:
+    """Outputs that are each one input range in full: mostly in input order (the one-pass
+    layout's case), sometimes not (it must then leave the plan to the general passes), across
+    input files, with empty tensors, odd sizes and gaps (dropped tensors) between them."""
+    n = draw(st.integers(1, 24))
+    specs: list[TensorSpec] = []
+    origins: dict[str, Origin] = {}
+    file, at = 0, draw(st.integers(0, 3 * CLONE_BLOCK))
+    for i in range(n):
+        dtype = draw(st.sampled_from(_DTYPES))
+        # Mostly large enough to hold whole blocks, sometimes tiny or empty.
+        count = draw(st.one_of(st.integers(0, 40), st.integers(CLONE_BLOCK, 3 * CLONE_BLOCK)))
+        spec = TensorSpec(f"t{i}", dtype, (count,))
+        if draw(st.integers(0, 9)) == 0:
+            file, at = file + 1, draw(st.integers(0, 2 * CLONE_BLOCK))
+        at += draw(st.sampled_from((0, 0, 0, 1, 8, 16, CLONE_BLOCK)))  # a dropped tensor
+        origins[spec.name] = Origin((file, at), (Extent(file, at, spec.nbytes),))
+        specs.append(spec)
+        at += spec.nbytes
+    if draw(st.booleans()) and n > 1:
+        specs = draw(st.permutations(specs))
+    # Limits a group fills exactly, too (a tensor that ends on the limit stays in its shard).
+    exact = sum(s.nbytes for s in specs[: draw(st.integers(1, n))]) or 1
+    limit = draw(st.sampled_from((CLONE_BLOCK, 5 * CLONE_BLOCK, 10**9, exact)))
+    return specs, origins, limit
+
+
+@given(_whole_copies(), st.sampled_from((None, {"format": "pt"})))
+@settings(max_examples=300, deadline=None)
+def test_one_pass_layout_is_the_general_layout(
+    case: tuple[list[TensorSpec], dict[str, Origin], int], metadata: dict[str, str] | None
+) -> None:
+    specs, origins, limit = case
+    fast = plan_layout(specs, limit, metadata, origins)
+    # The same plan laid out by the general passes alone.
+    with patch.object(layout_module, "_whole_copies", lambda *args: None):
+        general = plan_layout(specs, limit, metadata, origins)
+    assert fast == general
+
+
+def test_one_pass_layout_takes_the_plans_it_is_for() -> None:
+    # (The property above holds trivially if the one-pass layout never runs.)
+    specs = [TensorSpec(f"t{i}", "F32", (1000 + i,)) for i in range(3)]
+    at = 100
+    origins = {}
+    for s in specs:
+        origins[s.name] = Origin((0, at), (Extent(0, at, s.nbytes),))
+        at += s.nbytes
+    found = layout_module._whole_copies(specs, origins, 10**9)
+    assert found is not None and [len(group) for group, _, _ in found] == [3]
+    assert layout_module._whole_copies(specs[::-1], origins, 10**9) is None  # not input order
+    computed = {**origins, "t1": Origin((0, 100))}
+    assert layout_module._whole_copies(specs, computed, 10**9) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -295,3 +296,39 @@ def test_float_casts_give_nans_the_same_bits_whatever_the_chunks(
         with Checkpoint.open(dest) as out:
             assert tensor_bytes(memory) == tensor_bytes(out.view("x").clone()), mapping
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_sources_of_a_rename_are_the_general_sources(tmp_path: Path) -> None:
+    """Where every output is an input tensor in full, ``_sources`` skips the general loop and
+    makes ``copied`` and ``where`` only when asked: they must be what the general loop gives."""
+    from unittest.mock import patch
+
+    from weightmap.execute import sources as sources_module
+
+    gen = torch.Generator().manual_seed(3)
+    root = tmp_path / "in"
+    root.mkdir()
+    tensors = {"a": torch.randn(5, 3, generator=gen), "b": torch.ones(0), "c": torch.arange(7)}
+    save_file({"a": tensors["a"], "b": tensors["b"]}, root / "one.safetensors")
+    save_file({"c": tensors["c"]}, root / "two.safetensors")
+    index = {"weight_map": {"a": "one.safetensors", "b": "one.safetensors", "c": "two.safetensors"}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = plan_of(
+        tensors,
+        {
+            "x.c": Source(name="c", dtype="I64", shape=(7,)),
+            "x.a": Source(name="a", dtype="F32", shape=(5, 3)),
+            "x.b": Source(name="b", dtype="F32", shape=(0,)),
+        },
+    )
+    with Checkpoint.open(root) as ckpt:
+        fast = sources_module._sources(plan, ckpt)
+        assert fast._copied is None and fast._where is None  # (the one-pass branch ran)
+        with patch.object(sources_module, "_whole_origins", lambda *args: None):
+            general = sources_module._sources(plan, ckpt)
+        assert fast.origins == general.origins
+        assert fast.computed() == general.computed() == []
+        assert fast.copied == general.copied
+        assert fast.where == general.where
+        names = [o.name for o in plan.outputs]
+        assert [fast.ranges(n) for n in names] == [general.ranges(n) for n in names]

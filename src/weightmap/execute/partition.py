@@ -253,7 +253,7 @@ def partition(
     for i, plan_of_shard in enumerate(writer.shards):
         for name, (b, e) in plan_of_shard.offsets.items():
             located[name] = (i, b, e)
-    computed = [o for o in plan.outputs if o.name not in sources.copied and o.spec.nbytes]
+    computed = [o for o in sources.computed() if o.spec.nbytes]
     pieces = writer.pieces()
     total = sum(_cost(p) for p in pieces)
     total += sum(o.spec.nbytes * _per_byte(o.node) for o in computed)

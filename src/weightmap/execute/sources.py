@@ -7,15 +7,16 @@ they all write the same shards, headers and bytes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
 from weightmap.format.gcpause import gc_paused
+from weightmap.format.header import TensorInfo
 from weightmap.format.layout import Extent, Layouts, Origin
 from weightmap.format.slots import make_tuple
 from weightmap.format.writer import CheckpointWriter
@@ -40,49 +41,109 @@ def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
     return None
 
 
-@dataclass(frozen=True)
 class Sources:
     """Where the output's bytes come from, as the writer and the executors need it.
 
-    ``where`` maps each input tensor to its file and the absolute ``[begin, end)`` of its
-    bytes; ``copied`` each output that is input bytes to those byte ranges (outputs not in it
-    are computed); ``origins`` is what the writer lays the shards out by.
+    ``origins`` is what the writer lays the shards out by. ``copied`` maps each output that is
+    input bytes to those byte ranges (outputs not in it are computed); ``where`` maps each
+    input tensor to its file and the absolute ``[begin, end)`` of its bytes. Where every output
+    is one input tensor in full (a rename or keep of every tensor), those two are made only
+    when first asked for: such a conversion asks for neither unless it checksums, and a
+    checkpoint may hold 100,000 tensors.
     """
 
-    where: dict[str, tuple[Path, int, int]]
-    copied: dict[str, list[Segment]]
-    origins: dict[str, Origin]
+    def __init__(
+        self,
+        plan: Plan,
+        ckpt: Checkpoint,
+        origins: dict[str, Origin],
+        copied: dict[str, list[Segment]] | None = None,
+        where: dict[str, tuple[Path, int, int]] | None = None,
+    ) -> None:
+        self.origins = origins
+        self._plan = plan
+        self._ckpt = ckpt
+        self._copied = copied  # None: every output is one input tensor in full
+        self._where = where
+
+    @property
+    def where(self) -> dict[str, tuple[Path, int, int]]:
+        """Each input tensor's file and the absolute ``[begin, end)`` of its bytes."""
+        if self._where is None:
+            self._where = _where(self._ckpt)
+        return self._where
+
+    @property
+    def copied(self) -> dict[str, list[Segment]]:
+        """Each output that is input bytes, to the input byte ranges it is made of."""
+        if self._copied is None:
+            stored = self._ckpt.stored()
+            with gc_paused():
+                self._copied = {out.name: [_whole(stored, out)] for out in self._plan.outputs}
+        return self._copied
+
+    def computed(self) -> list[OutputTensor]:
+        """The outputs that are not input bytes: computed from their inputs' values."""
+        if self._copied is None:
+            return []  # (every output is an input tensor in full)
+        copied = self._copied
+        return [out for out in self._plan.outputs if out.name not in copied]
 
     def ranges(self, name: str) -> list[tuple[Path, int, int]]:
         """The input ranges ``(file, offset, length)`` copied output ``name`` is made of."""
+        where = self.where
         return [
-            (self.where[s.name][0], self.where[s.name][1] + s.offset, s.length)
-            for s in self.copied[name]
+            (where[s.name][0], where[s.name][1] + s.offset, s.length) for s in self.copied[name]
         ]
 
 
-def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
+def _whole(stored: Mapping[str, tuple[Path, TensorInfo]], out: OutputTensor) -> Segment:
+    """The one segment of an output that is an input tensor in full."""
+    name = cast(Source, out.node).name
+    info = stored[name][1]
+    return make_tuple(Segment, (name, 0, info.end - info.begin))
+
+
+def _where(ckpt: Checkpoint) -> dict[str, tuple[Path, int, int]]:
     where: dict[str, tuple[Path, int, int]] = {}
-    numbers: dict[str, int] = {}
-    for i, (path, header) in enumerate(ckpt.headers.items()):
+    for path, header in ckpt.headers.items():
         start = header.data_start
         for name, info in header.tensors.items():
             where[name] = (path, start + info.begin, start + info.end)
-            numbers[name] = i
-    copied: dict[str, list[Segment]] = {}
-    origins: dict[str, Origin] = {}
+    return where
+
+
+def _whole_origins(plan: Plan, ckpt: Checkpoint) -> dict[str, Origin] | None:
+    """The origins of a plan whose every output is one input tensor in full, a byte range of
+    its file; None for any other plan."""
+    stored = ckpt.stored()
     strided = ckpt.strided
+    files = {path: (i, header.data_start) for i, (path, header) in enumerate(ckpt.headers.items())}
+    origins: dict[str, Origin] = {}
     for out in plan.outputs:
         node = out.node
-        # A rename or keep: the common case (every tensor of a large checkpoint), made short.
-        if type(node) is Source and node.name not in strided:
-            _, begin, end = where[node.name]
-            file = numbers[node.name]
-            # The named tuples made straight from their fields (format/slots.py).
-            copied[out.name] = [make_tuple(Segment, (node.name, 0, end - begin))]
-            extent = make_tuple(Extent, (file, begin, end - begin))
-            origins[out.name] = make_tuple(Origin, ((file, begin), (extent,)))
-            continue
+        if type(node) is not Source or node.name in strided:
+            return None
+        path, info = stored[node.name]
+        file, start = files[path]
+        begin = start + info.begin
+        # The named tuples made straight from their fields (format/slots.py).
+        extent = make_tuple(Extent, (file, begin, info.end - info.begin))
+        origins[out.name] = make_tuple(Origin, ((file, begin), (extent,)))
+    return origins
+
+
+def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
+    whole = _whole_origins(plan, ckpt)
+    if whole is not None:
+        return Sources(plan, ckpt, whole)
+    where = _where(ckpt)
+    numbers: dict[str, int] = {}
+    for i, header in enumerate(ckpt.headers.values()):
+        numbers.update(dict.fromkeys(header.tensors, i))  # (at C speed)
+    copied: dict[str, list[Segment]] = {}
+    origins: dict[str, Origin] = {}
+    for out in plan.outputs:
         segments = _copied(out, ckpt)
         if segments is not None:
             copied[out.name] = segments
@@ -95,7 +156,7 @@ def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
         else:
             first = next(n.name for n in tree_nodes(out.node) if isinstance(n, Source))
             origins[out.name] = Origin((numbers[first], where[first][1]))
-    return Sources(where, copied, origins)
+    return Sources(plan, ckpt, origins, copied, where)
 
 
 def plan_writer(

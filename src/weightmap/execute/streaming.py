@@ -231,12 +231,14 @@ def execute(
         extra_files=extra_files,
         layout=layout,
     )
-    copied = sources.copied
+    # (Sizes asked of the computed ones only: a rename computes nothing, and asks nothing of
+    # where its inputs are beyond the copies the writer planned.)
+    computed = sorted(sources.computed(), key=lambda o: -o.spec.nbytes)
     counts = _Stats(checksum, progress)
     computer = Computer(
         ckpt,
         writer,
-        sources.where,
+        sources.where if computed else {},
         max(1, chunk_bytes // n_workers),
         lambda n: counts.add(n, "computed"),
         counts.stats.checksums,
@@ -249,10 +251,6 @@ def execute(
             tasks: list[Callable[[], None]] = []
             # Computed tensors first, biggest first, so one large tensor does not finish last;
             # small ones in batches. The copies follow in output order.
-            # (Sizes asked of the computed ones only: a rename computes nothing.)
-            computed = sorted(
-                (o for o in plan.outputs if o.name not in copied), key=lambda o: -o.spec.nbytes
-            )
             for batch in _batches(computed, lambda o: o.spec.nbytes, COPY_PIECE):
                 tasks.append(partial(_compute, computer, batch))
             for pieces in _batches(
@@ -260,7 +258,7 @@ def execute(
             ):
                 tasks.append(partial(_transfer, writer, pieces, counts))
             if counts.stats.checksums is not None:
-                ranges = [(name, sources.ranges(name)) for name in copied]
+                ranges = [(name, sources.ranges(name)) for name in sources.copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
                     tasks.append(partial(_checksum, group, counts.stats.checksums))
             _run_all(tasks, n_workers)

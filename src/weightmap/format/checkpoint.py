@@ -12,8 +12,9 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -372,8 +373,13 @@ class Checkpoint:
             )
         weight_map: dict[str, Any] = index["weight_map"]
         shard_names: dict[str, Path] = {}
-        for shard in weight_map.values():
-            # resolve_shard refuses a non-string first: a list or object is not hashable.
+        try:
+            # The shards in order of first mention, found at C speed (an index lists every
+            # tensor); a value that is no string is refused below by resolve_shard.
+            listed: Iterable[Any] = dict.fromkeys(weight_map.values())
+        except TypeError:  # a list or object among the values: not hashable
+            listed = weight_map.values()
+        for shard in listed:
             if not isinstance(shard, str) or shard not in shard_names:
                 shard_names[shard] = resolve_shard(root, shard, index_path)
         missing = [name for name, p in shard_names.items() if not _is_file(p)]
@@ -435,7 +441,9 @@ class Checkpoint:
                     tensor=name,
                     rule="duplicate-name",
                 )
-            tensors.update({name: (f, info) for name, info in header.tensors.items()})
+            # (name, (file, info)) pairs made by C calls: a checkpoint may hold 100,000 tensors.
+            located = zip(repeat(f), header.tensors.values())  # (repeat: endless)
+            tensors.update(zip(header.tensors, located, strict=False))
         ckpt = cls(root, headers, tensors, _read_config(root, CONFIG_NAME), index_path)
         ckpt._loaded = loaded
         return ckpt
@@ -503,6 +511,11 @@ class Checkpoint:
     def strided(self) -> frozenset[str]:
         """The tensors that are no byte range of their file (:meth:`has_range` is False)."""
         return self._strided
+
+    def stored(self) -> Mapping[str, tuple[Path, TensorInfo]]:
+        """Every tensor by name: the file that stores it and its header entry (read-only;
+        the checkpoint's own table, for the executors' loops over every tensor)."""
+        return self._tensors
 
     def has_range(self, name: str) -> bool:
         """True when tensor ``name`` is one byte range of its file (:meth:`location`); False

@@ -13,6 +13,7 @@ import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, islice
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
 from typing import Literal, NamedTuple
 
@@ -88,10 +89,10 @@ def _layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
 
 
 def _header_text(
-    order: Sequence[TensorSpec], sizes: Mapping[str, int], metadata: Mapping[str, str] | None
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """The header JSON of tensors stored back to back in ``order`` (unpadded), and their
-    offsets relative to the data buffer.
+    order: Sequence[TensorSpec], sizes: Sequence[int], metadata: Mapping[str, str] | None
+) -> bytes:
+    """The header JSON (unpadded) of tensors stored back to back in ``order``, ``sizes[i]``
+    bytes each, from the start of the data buffer.
 
     Written entry by entry: the same bytes as ``json.dumps`` of the whole header with compact
     separators, without building a dict per tensor (a checkpoint may hold 100,000 of them).
@@ -102,14 +103,12 @@ def _header_text(
         parts.append(
             '"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
         )
-    offsets: dict[str, tuple[int, int]] = {}
     position = 0
     # The text between a name and its offsets, by dtype and shape: the layers and experts of
     # a model repeat a few shapes many times over.
     middles: dict[tuple[str, tuple[int, ...]], str] = {}
-    for spec in order:
-        end = position + sizes[spec.name]
-        offsets[spec.name] = (position, end)
+    for spec, size in zip(order, sizes, strict=True):
+        end = position + size
         key = (spec.dtype, spec.shape)
         middle = middles.get(key)
         if middle is None:
@@ -117,7 +116,21 @@ def _header_text(
             middle = middles[key] = f':{{"dtype":"{spec.dtype}","shape":[{shape}],"data_offsets":['
         parts.append(f"{encode_basestring(spec.name)}{middle}{position},{end}]}}")
         position = end
-    return ("{" + ",".join(parts) + "}").encode("utf-8"), offsets
+    return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+_NAME = operator.attrgetter("name")
+
+
+def _offsets(
+    order: Sequence[TensorSpec], sizes: Sequence[int], start: int
+) -> dict[str, tuple[int, int]]:
+    """Each tensor's ``[begin, end)`` when stored back to back in ``order`` from ``start``."""
+    # Made by C calls alone (no Python frame per tensor): a shard may hold thousands.
+    bounds = list(accumulate(sizes, initial=start))
+    # (bounds holds one more than the tensors: each begin with the next one's, its end.)
+    pairs = zip(bounds, islice(bounds, 1, None), strict=False)
+    return dict(zip(map(_NAME, order), pairs, strict=True))
 
 
 def build_header(
@@ -129,10 +142,11 @@ def build_header(
     spaces to a multiple of 8), so the same tensors and metadata give the same bytes. Metadata
     keys are written sorted, where the reference writer's order varies from run to run.
     """
-    sizes = {s.name: s.nbytes for s in specs}
-    text, offsets = _header_text(_layout_order(specs), sizes, metadata)
+    order = _layout_order(specs)
+    sizes = [s.nbytes for s in order]
+    text = _header_text(order, sizes, metadata)
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, offsets
+    return len(text).to_bytes(8, "little") + text, _offsets(order, sizes, 0)
 
 
 @dataclass(frozen=True)
@@ -279,29 +293,142 @@ def plan_layout(
         raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     limit = parse_size(max_shard_size)
     origins = origins or {}
+    whole = _whole_copies(specs, origins, limit) if layout == "clone" and origins else None
+    placed = (
+        _place(specs, limit, metadata, origins, layout)
+        if whole is None
+        else [_place_whole(group, sizes, runs, metadata, origins) for group, sizes, runs in whole]
+    )
+    shards: list[ShardPlan] = []
+    copies: list[Copy] = []
+    for index, (name, (text, order, sizes, runs)) in enumerate(
+        zip(_shard_names(len(placed)), placed, strict=True)
+    ):
+        header = len(text).to_bytes(8, "little") + text
+        base = len(header)
+        shards.append(ShardPlan(name, header, _offsets(order, sizes, base), base + sum(sizes)))
+        copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
+    return Layout(tuple(shards), tuple(copies))
+
+
+# One shard laid out: its padded header JSON, its tensors in file order with their sizes, and
+# the copies that fill it (offsets relative to its data buffer).
+_Placed = tuple[bytes, Sequence[TensorSpec], list[int], list[Copy]]
+
+
+def _place(
+    specs: Sequence[TensorSpec],
+    limit: int,
+    metadata: Mapping[str, str] | None,
+    origins: Mapping[str, Origin],
+    layout: Layouts,
+) -> list[_Placed]:
+    """Every shard of any plan, laid out group by group."""
     sizes = {s.name: s.nbytes for s in specs}
     if layout == "clone":
         groups = _group(_by_anchor(specs, origins), sizes, limit, origins)
     else:
         groups = _group(specs, sizes, limit)
-    shards: list[ShardPlan] = []
-    copies: list[Copy] = []
-    for index, (name, group) in enumerate(zip(_shard_names(len(groups)), groups, strict=True)):
-        placed = _clone_shard(group, sizes, origins, metadata) if layout == "clone" else None
-        if placed is None:
-            order = _layout_order(group)
-            text, rel = _header_text(order, sizes, metadata)
-            text += b" " * (-len(text) % 8)
-            runs = _runs(order, sizes, origins)
-        else:
-            text, rel, runs = placed
-        header = len(text).to_bytes(8, "little") + text
-        base = len(header)
-        offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
-        size = base + sum(sizes[s.name] for s in group)
-        shards.append(ShardPlan(name, header, offsets, size))
-        copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
-    return Layout(tuple(shards), tuple(copies))
+    placed: list[_Placed] = []
+    for group in groups:
+        clone = _clone_shard(group, sizes, origins, metadata) if layout == "clone" else None
+        placed.append(clone or _reference_shard(group, sizes, origins, metadata))
+    return placed
+
+
+def _reference_shard(
+    group: Sequence[TensorSpec],
+    sizes: Mapping[str, int],
+    origins: Mapping[str, Origin],
+    metadata: Mapping[str, str] | None,
+) -> _Placed:
+    """One shard as the reference writer lays it out (descending dtype rank, then name)."""
+    order = _layout_order(group)
+    in_order = [sizes[s.name] for s in order]
+    text = _header_text(order, in_order, metadata)
+    text += b" " * (-len(text) % 8)
+    return text, order, in_order, _runs(order, sizes, origins)
+
+
+def _whole_copies(
+    specs: Sequence[TensorSpec], origins: Mapping[str, Origin], limit: int
+) -> list[tuple[list[TensorSpec], list[int], list[Copy] | None]] | None:
+    """The clone layout's shards of a plan whose every output is one input range in full (a
+    rename or keep of every tensor: the commonest plan, and the one with the most tensors),
+    found in one pass: each shard's tensors, their sizes, and their copies (None where the
+    tensors would not all sit at their natural alignment). None for any other plan, or outputs
+    not in input order: ``_place`` lays those out.
+
+    The same shards, in the same order, as ``_place`` makes of such a plan (``_by_anchor``
+    keeps them as they are, ``_group`` splits them where the input file changes or the limit
+    is reached, ``_clone_shard`` finds every tensor copied, checks the alignment and runs the
+    copies), in one loop rather than one per step: a checkpoint may hold 100,000 tensors.
+    """
+    found: list[tuple[list[TensorSpec], list[int], list[Copy] | None]] = []
+    group: list[TensorSpec] = []
+    sizes: list[int] = []
+    runs: list[Copy] = []
+    aligned = True
+    position = 0  # where the next tensor goes in the group's data buffer
+    last = (-1, -1)  # the previous tensor's anchor: the outputs must come in input order
+    file = src = dst = length = -1  # the open run of copies; none while length < 0
+    get = origins.get
+    alignment = _ALIGNMENT
+    for spec in specs:
+        origin = get(spec.name)
+        if origin is None or origin.extents is None or len(origin.extents) != 1:
+            return None
+        if origin.anchor < last:
+            return None
+        last = origin.anchor
+        ext_file, offset, ext_length = origin.extents[0]
+        size = spec.nbytes
+        if ext_length != size:
+            return None
+        if group and (ext_file != file or position + size > limit):
+            if length >= 0:
+                runs.append(Copy(file, src, 0, dst, length))
+            found.append((group, sizes, runs if aligned else None))
+            group, sizes, runs = [], [], []
+            aligned, position, src, dst, length = True, 0, -1, -1, -1
+        if aligned and position % alignment[spec.dtype]:
+            aligned = False
+        if ext_length:
+            if ext_file == file and src + length == offset and dst + length == position:
+                length += ext_length
+            else:
+                if length >= 0:
+                    runs.append(Copy(file, src, 0, dst, length))
+                src, dst, length = offset, position, ext_length
+        file = ext_file
+        group.append(spec)
+        sizes.append(size)
+        position += size
+    if not group:
+        return None
+    if length >= 0:
+        runs.append(Copy(file, src, 0, dst, length))
+    found.append((group, sizes, runs if aligned else None))
+    return found
+
+
+def _place_whole(
+    group: list[TensorSpec],
+    sizes: list[int],
+    runs: list[Copy] | None,
+    metadata: Mapping[str, str] | None,
+    origins: Mapping[str, Origin],
+) -> _Placed:
+    """A shard of ``_whole_copies``, as ``_clone_shard`` (or, where that shares no block, the
+    reference layout) lays it out."""
+    if runs is not None:
+        gain, residue = _best_residue(runs)
+        if gain >= CLONE_BLOCK:
+            text = _header_text(group, sizes, metadata)
+            text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
+            return text, group, sizes, runs
+    by_name = dict(zip(map(_NAME, group), sizes, strict=True))
+    return _reference_shard(group, by_name, origins, metadata)
 
 
 def _by_anchor(specs: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[TensorSpec]:
@@ -330,10 +457,10 @@ def _clone_shard(
     sizes: Mapping[str, int],
     origins: Mapping[str, Origin],
     metadata: Mapping[str, str] | None,
-) -> tuple[bytes, dict[str, tuple[int, int]], list[Copy]] | None:
-    """The padded header, relative offsets and copies (offsets relative to the data buffer)
-    of one shard in the clone layout, or None where no whole block could be shared (the
-    shard is then laid out as the reference writer does).
+) -> _Placed | None:
+    """One shard in the clone layout (copies' offsets relative to the data buffer), or None
+    where no whole block could be shared (the shard is then laid out as the reference writer
+    does).
 
     The copied tensors go back to back in input order, the computed ones before or after them
     in reference order (whichever keeps every tensor at its natural alignment and shares more).
@@ -360,10 +487,11 @@ def _clone_shard(
     if best is None:
         return None
     _, residue, order, runs = best
-    text, rel = _header_text(order, sizes, metadata)
+    in_order = [sizes[s.name] for s in order]
+    text = _header_text(order, in_order, metadata)
     # The data starts at 8 + len(header) = residue modulo the block: pad the header with spaces.
     text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
-    return text, rel, runs
+    return text, order, in_order, runs
 
 
 def _aligned(order: Sequence[TensorSpec], sizes: Mapping[str, int]) -> bool:

@@ -387,9 +387,10 @@ class CheckpointWriter:
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
                 if len(self.shards) > 1:
-                    weight_map = {
-                        name: shard.filename for shard in self.shards for name in shard.offsets
-                    }
+                    # Shard by shard at C speed: an index lists every tensor.
+                    weight_map: dict[str, str] = {}
+                    for shard in self.shards:
+                        weight_map.update(dict.fromkeys(shard.offsets, shard.filename))
                     self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.
