@@ -14,6 +14,7 @@ from weightmap.compiler import compile as compile_module
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError
 from weightmap.format.dtypes import TensorSpec
+from weightmap.language import ast as A
 from weightmap.language.mapping import load_mapping
 
 PATTERNS = [
@@ -30,7 +31,16 @@ PATTERNS = [
 # Templates over the captures every pattern above may give: some rename into names that
 # exist (collisions), into names a later rule takes (a second hop), or leave them as they are.
 TEMPLATES = {
-    '"a.{i:int}.{r*}"': ['"x.{i}.{r}"', '"a.{i + 1}.{r}"', '"b.{r}"', '"a.{i}.{r}"', '"y"'],
+    '"a.{i:int}.{r*}"': [
+        '"x.{i}.{r}"',
+        '"a.{i + 1}.{r}"',
+        '"b.{r}"',
+        '"a.{i}.{r}"',
+        '"y"',
+        # A literal brace; a param's hole beside captures (no capture).
+        '"{{x.{i}.{r}"',
+        '"{k}.{i}.{r}"',
+    ],
     # (`i` is a string here: `{i + 1}` fails, for some tensors, while the rule runs.)
     '"a.{i}.w"': ['"x.{i}.w"', '"w.{i}"', '"a.{i}.w"', '"x.{i + 1}.w"'],
     '"b.**"': ['"moved"'],
@@ -46,7 +56,7 @@ NAMES = ["a.0.w", "a.0.b", "a.1.w", "a.1.b", "a.12.w", "b.w", "b.q.w", "c.w", "c
 
 @st.composite
 def mappings(draw: st.DrawFn) -> str:
-    lines = ["weightmap 1"]
+    lines = ["weightmap 1", 'param k = "K"']
     for _ in range(draw(st.integers(1, 3))):
         pattern = draw(st.sampled_from(PATTERNS))
         # Weighted towards plans the one pass takes: optional rules, a kept remainder.
@@ -143,9 +153,25 @@ def test_a_rename_of_every_tensor_takes_the_one_pass(monkeypatch: pytest.MonkeyP
         "unmatched keep\n": False,  # a second hop
         # Onto the name of an input no rule takes, which is still there when the rule runs.
         'rename "model.layers.0.w0" -> "lm_head.weight"\nunmatched drop\n': False,
+        # Names made from the match's groups: literal braces, an int, an alternative; a hole
+        # that is a param, not a capture, renders through the scope.
+        'rename "model.layers.{i:int}.{r:w0,w1}" -> "{{{i}}}}}.{r}"\nunmatched keep\n': True,
+        'param p = "P"\nrename "model.layers.{i:int}.{r*}" -> "{p}.{i}.{r}"\nunmatched keep\n': (
+            True
+        ),
     }
     for body, one_pass in cases.items():
         calls.clear()
         text = "weightmap 1\n" + body
         assert _outcome(text, specs, one_pass=True) == _outcome(text, specs, one_pass=False)
         assert calls == [one_pass], body
+
+
+def test_names_come_from_the_match_groups_where_every_hole_is_a_capture() -> None:
+    # (The cases above give the same plans either way: this is that the quick way is taken.)
+    mapping = load_mapping('weightmap 1\nrename "a.{i:int}.{r*}" -> "b{{.{r}.{i}"\n')
+    (rule,) = (s for s in mapping.program.stmts if isinstance(s, A.Rule))
+    template = rule.outputs[0]
+    quick = bulk._positional(template, {"i": 2, "r": 3})
+    assert quick is not None and quick("a.7.x", "7", "x") == "b{.x.7"
+    assert bulk._positional(template, {"i": 2}) is None  # `r` is no capture here

@@ -13,7 +13,7 @@ policy says error): the working set then runs from the start, and says what is w
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from weightmap.compiler.ops import tensor_namer
 from weightmap.compiler.route import Router
@@ -57,6 +57,13 @@ def bulk_renames(
     owners = matcher.owners
     count = len(rules)
     namers = [tensor_namer(rule.outputs[0], scope) if rule.outputs else None for rule in rules]
+    # Each alternative's output name straight from the match's groups, where it can be.
+    positional = [
+        _positional(rules[r].outputs[0], matcher.capture_groups(k))
+        if rules[r].outputs and not scope.local
+        else None
+        for k, (r, _) in enumerate(owners)
+    ]
     # The rules below r, which an output of r goes on to: (fullmatch, outer groups, owners).
     below = [_after(router, r) for r in range(count)]
     # Where each rule's patterns start among all of them (``hit`` is indexed so).
@@ -91,10 +98,14 @@ def bulk_renames(
         if render is None:
             out = spec
         else:
-            try:
-                new = render(spec, captures[k](found))
-            except LocatedProblem:
-                return None
+            quick = positional[k]
+            if quick is not None:
+                new = quick(*found.groups())
+            else:
+                try:
+                    new = render(spec, captures[k](found))
+                except LocatedProblem:
+                    return None
             if new == name:
                 out = spec
             else:
@@ -127,6 +138,26 @@ def bulk_renames(
         if rule_of.get(new, -1) > r:
             return None
     return outputs, dropped
+
+
+def _positional(template: A.Template, groups: Mapping[str, int]) -> Callable[..., str] | None:
+    """The template as ``str.format`` of a match's ``groups()``, where every hole is a capture
+    of the pattern (``groups``: capture -> group number); None otherwise.
+
+    It renders what ``tensor_namer`` renders from the captures: a capture prints as the text it
+    matched, an ``{n:int}`` one too, as the pattern takes canonical decimal digits alone
+    (``0|[1-9][0-9]*``, which ``str(int(...))`` gives back unchanged). It makes no dict of
+    captures and no int per tensor: this runs once per tensor of a checkpoint.
+    """
+    out: list[str] = []
+    for part in template.parts:
+        if isinstance(part, str):
+            out.append(part.replace("{", "{{").replace("}", "}}"))
+        elif isinstance(part, A.Name) and part.id in groups:
+            out.append(f"{{{groups[part.id] - 1}}}")  # (groups() starts at group 1)
+        else:
+            return None
+    return "".join(out).format
 
 
 def _after(router: Router, r: int) -> tuple[FullMatch, dict[int, int], list[Owner]] | None:
