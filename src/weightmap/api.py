@@ -174,13 +174,15 @@ class _Source:
 
 
 def _progress_fn(
-    progress: bool | ProgressCallback | None, total: int
+    progress: bool | ProgressCallback | None, count: Callable[[], int]
 ) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    """A per-chunk byte counter and a closer, from the ``progress`` argument."""
+    """A per-chunk byte counter and a closer, from the ``progress`` argument; ``count()`` is
+    the total, asked for only where something shows it (it sums every output's size)."""
     if progress is None:
         progress = sys.stderr.isatty()
     if progress is False:
         return None, lambda: None
+    total = count()
     if progress is True:
         from tqdm import tqdm
 
@@ -437,8 +439,10 @@ def _write(
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Run the executor asked for with the progress display the caller asked for; the side
     files go into the same temporary folder, before it is committed."""
-    total = sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files)
-    tick, close = _progress_fn(progress, total)
+    tick, close = _progress_fn(
+        progress,
+        lambda: sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files),
+    )
 
     def check(folder: Path, stats: ExecutionStats) -> None:
         write_side_files(plan.files, ckpt.root, folder, tick)
