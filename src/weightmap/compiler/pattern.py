@@ -133,7 +133,6 @@ class Matcher:
         sources, self._groups, self._singles = [], [], []
         self._outer: dict[int, int] = {}
         self._fast: list[_Captures] = []
-        self._numbers: list[dict[str, int]] = []  # each alternative's capture -> group number
         group_count = 0
         for k, alt in enumerate(self.alternatives):
             body, caps = pattern_regex(alt.pattern, prefix=f"_{k}_")
@@ -143,7 +142,6 @@ class Matcher:
             self._groups.append([(name, f"_{k}_{name}", kind == "int") for name, kind in caps])
             numbers = tuple(range(group_count - len(caps) + 1, group_count + 1))
             self._fast.append(_captures(caps, numbers))
-            self._numbers.append({name: g for (name, _kind), g in zip(caps, numbers, strict=True)})
             self._singles.append(_single(alt.pattern))
         self._combined = re.compile("|".join(sources) or "(?!)", re.DOTALL)
         self._accepts = [a.accept for a in self.alternatives]
@@ -158,7 +156,8 @@ class Matcher:
     def capture_groups(self, k: int) -> dict[str, int]:
         """The group number, in a match of the combined regex, of each capture of alternative
         ``k``."""
-        return self._numbers[k]
+        index = self._combined.groupindex
+        return {name: index[group] for name, group, _is_int in self._groups[k]}
 
     def match(self, spec: TensorSpec) -> tuple[int, dict[str, Any]] | None:
         """``(alternative, captures)`` for the tensor ``spec``, or None.
