@@ -4,8 +4,11 @@ breaks parsing."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,3 +235,64 @@ def test_program_cache_turned_off_with_the_parser_cache(
     assert language_cache.program_file(_PROGRAM, "m.wm") is None
     parse_mod.parse_program(_PROGRAM, "m.wm")
     assert not (cache_home / "weightmap").exists()
+
+
+def test_program_key_follows_lark_without_importing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key of a parsed program carries lark's package file (which sets its version), read
+    rather than imported: another lark is another key."""
+    digest = language_cache._code_digest.__wrapped__  # (the lru_cache'd function itself)
+    here = digest()
+    assert language_cache._lark_source().count(b"__version__") >= 1
+    monkeypatch.setattr(language_cache, "_lark_source", lambda: b'__version__ = "0.0.1"')
+    assert digest() != here
+
+
+# What `import weightmap` and a rename with a mapping parsed before must not import: lark (and
+# the parser it builds), the Ray executor, in-place rewrites, inversion, the Hub. They took
+# more time to import than a rename of a 4 GB drafter takes on a copy-on-write filesystem.
+_DEFERRED = (
+    "lark",
+    "weightmap.language.syntax",
+    "weightmap.language.grammar",
+    "weightmap.execute.cluster",
+    "weightmap.execute.inplace",
+    "weightmap.compiler.inverse",
+    "weightmap.format.hub",
+)
+
+_PROBE = """
+import json, sys
+import weightmap
+imported = [m for m in {deferred!r} if m in sys.modules]
+weightmap.remap({src!r}, {out!r}, mapping={mapping!r}, progress=False)
+print(json.dumps([imported, [m for m in {deferred!r} if m in sys.modules]]))
+"""
+
+
+def test_a_rename_imports_no_parser_nor_other_executors(
+    cache_home: Path, example: Path, tmp_path: Path
+) -> None:
+    mapping = tmp_path / "m.wm"
+    mapping.write_text(
+        'weightmap 1\nrename "layers.{i:int}.{rest*}" -> "midlayer.{rest}"\nkeep "**"\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    found = []
+    for run in range(2):  # the first parses the mapping (and caches it); the second loads it
+        code = _PROBE.format(
+            deferred=_DEFERRED,
+            src=str(example),
+            out=str(tmp_path / f"out{run}"),
+            mapping=str(mapping),
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        found.append(json.loads(done.stdout.splitlines()[-1]))
+    assert found[0][0] == [] and "lark" in found[0][1]  # parsed: lark was needed
+    assert found[1] == [[], []]  # loaded from the cache: nothing deferred was imported

@@ -14,6 +14,7 @@ from weightmap.api import (
     iter_tensors,
     load_mapping,
     presets,
+    recover,
     remap,
     verify,
 )
@@ -27,7 +28,6 @@ from weightmap.errors import (
     PlanError,
     WeightmapError,
 )
-from weightmap.execute.inplace import recover
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.language.mapping import Mapping
 from weightmap.plan.plan import Plan

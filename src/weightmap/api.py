@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightmap.compiler.compile import compile_plan
-from weightmap.compiler.inverse import invert
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
-from weightmap.execute.cluster import execute_on_ray
-from weightmap.execute.inplace import check_files_stay, rewrite_inplace
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.gcpause import GcPause, gc_paused
-from weightmap.format.hub import HubRepo, looks_like_repo_id
 from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
@@ -32,8 +28,14 @@ from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
 from weightmap.plan.plan import Plan
 
+# The Ray executor, in-place rewrites, inversion and the Hub are imported where they are used:
+# `import weightmap` is paid by every command and every process that embeds it, and most
+# conversions need none of them (a rename of a 4 GB drafter on a copy-on-write filesystem takes
+# less time than importing them did).
 if TYPE_CHECKING:
     import torch
+
+    from weightmap.format.hub import HubRepo
 
 __all__ = [
     "Result",
@@ -42,6 +44,7 @@ __all__ = [
     "iter_tensors",
     "load_mapping",
     "presets",
+    "recover",
     "remap",
     "verify",
 ]
@@ -96,6 +99,28 @@ def presets() -> list[str]:
     return list(preset_names())
 
 
+def recover(root: PathLike) -> bool:
+    """Finish an interrupted in-place rewrite in ``root``; True if there was one to finish.
+
+    The journal is validated in full first (docs/safety.md); a journal that fails is refused
+    with a :class:`~weightmap.errors.CheckpointError` and nothing is written.
+    """
+    from weightmap.execute.inplace import recover as recover_folder  # (see the imports)
+
+    return recover_folder(root)
+
+
+def invert(mapping: RuleMapping) -> RuleMapping:
+    """A mapping that undoes ``mapping``, or MappingError naming each rule that cannot be undone.
+
+    Its ``text`` is generated source that parses back to it. See docs/language.md
+    ("Inversion") for which rules invert and how.
+    """
+    from weightmap.compiler.inverse import invert as invert_mapping  # (see the imports)
+
+    return invert_mapping(mapping)
+
+
 def compile(
     checkpoint: PathLike | Checkpoint,
     *,
@@ -147,8 +172,13 @@ class _Source:
     @classmethod
     def resolve(cls, checkpoint: PathLike, config_name: str, *, progress: bool) -> _Source:
         given = os.fspath(checkpoint)
-        if Path(given).exists() or not looks_like_repo_id(given):
+        if Path(given).exists():
             return cls(checkpoint, Path(given).is_dir())
+        # (imported here: see the imports)
+        from weightmap.format.hub import HubRepo, looks_like_repo_id
+
+        if not looks_like_repo_id(given):
+            return cls(checkpoint, False)
         repo = HubRepo(given)
         listing = repo.files()
         wanted = repo.checkpoint_files(listing, config_name)
@@ -294,6 +324,8 @@ def remap(
             if inplace:
                 # The folder's other files stay where they are: a files block that would change
                 # them is refused, and the plan carries none.
+                from weightmap.execute.inplace import check_files_stay
+
                 check_files_stay(plan, [f.name for f in carried.files] if carried else [])
                 plan = replace(plan, files=())
             if src.repo is not None or verify or executor != "local" or not plan.is_rename_only:
@@ -305,6 +337,8 @@ def remap(
             if dry_run:
                 return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
             if inplace:
+                from weightmap.execute.inplace import rewrite_inplace
+
                 files = rewrite_inplace(plan, ckpt)
                 return Result(
                     plan=plan,
@@ -457,7 +491,12 @@ def _write(
                 + "; nothing was committed (the destination was left as it was)"
             )
 
-    run = execute if executor == "local" else partial(execute_on_ray, address=ray_address)
+    if executor == "local":
+        run = execute
+    else:
+        from weightmap.execute.cluster import execute_on_ray  # (imported here: see the imports)
+
+        run = partial(execute_on_ray, address=ray_address)
     try:
         return run(
             plan,

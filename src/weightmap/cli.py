@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.api import compile as compile_plan_for
-from weightmap.api import invert, open_checkpoint, remap
+from weightmap.api import invert, open_checkpoint, recover, remap
 from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
-from weightmap.execute.inplace import recover
 from weightmap.format.atomic import remove_path, temporaries
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import pickle
@@ -23,8 +24,6 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-import lark
 
 from weightmap.language.resources import read_text
 
@@ -62,7 +61,20 @@ def _private(st: os.stat_result) -> bool:
 
 def versions() -> str:
     """The Python and lark versions, which a pickle of lark's objects depends on."""
+    import lark  # (only where lark's objects are pickled: see _lark_source)
+
     return f"py{sys.version_info[0]}{sys.version_info[1]}-lark{lark.__version__}"
+
+
+def _lark_source() -> bytes:
+    """lark's package file, which sets its version: read, not imported, for a parsed
+    program's key (a program loaded from the cache needs no parser, and importing lark takes
+    a tenth of a second). Empty where it cannot be read."""
+    try:
+        spec = importlib.util.find_spec("lark")
+        return b"" if spec is None or spec.origin is None else Path(spec.origin).read_bytes()
+    except (ImportError, ValueError, OSError):
+        return b""
 
 
 def load(path: str) -> Any | None:
@@ -120,7 +132,8 @@ def _code_digest() -> str | None:
     sources = sorted(Path(__file__).parent.glob("*.py"))
     if not sources:
         return None
-    h = hashlib.sha256(versions().encode())
+    h = hashlib.sha256(f"py{sys.version_info[0]}{sys.version_info[1]}".encode())
+    h.update(_lark_source() + b"\0")
     h.update(read_text("grammars", "weightmap.lark").encode())
     for source in sources:
         h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
