@@ -1,7 +1,7 @@
 """The grammar (``grammars/weightmap.lark``) and its LALR parser, built once per process and
 kept between processes in the per-user cache (``cache.py``).
 
-lark is confined to this module, ``hints.py`` and ``parse.py``; its exceptions never leave them.
+lark is confined to this module, ``hints.py`` and ``syntax.py``; its exceptions never leave them.
 """
 
 from __future__ import annotations
