@@ -220,3 +220,65 @@ def test_input_changed_after_compile_is_detected(tmp_path: Path) -> None:
 
     with Checkpoint.open(tmp_path) as c, pytest.raises(ExecutionError, match="compile the plan"):
         execute(plan, c, tmp_path / "out")
+
+
+def test_recomputed_checksums_read_bytes_where_the_output_is_input_bytes(tmp_path: Path) -> None:
+    """verify(source=) CRCs an output that is input bytes (renamed, a slice of rows, kept)
+    from the input's byte ranges, and a computed one (a cast, a transpose) from its values:
+    each equals the CRC of the values, and the files written verify clean."""
+    from weightmap.api import _crc, _recomputed
+    from weightmap.execute.kernels import evaluate
+
+    src = tmp_path / "in"
+    src.mkdir()
+    save_file(
+        {
+            "qkv": torch.arange(24, dtype=torch.float32).reshape(6, 4),
+            "b": torch.arange(5, dtype=torch.bfloat16),
+            "w": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+            "empty": torch.zeros(0, 3),
+        },
+        str(src / "model.safetensors"),
+    )
+    mapping = (
+        'weightmap 1\nsplit "qkv" dim 0 sizes [2, 2, 2] -> "q", "k", "v"\n'
+        'cast "b" to F32\ntranspose "w"\nrename "empty" -> "e"\n'
+    )
+    result = weightmap.remap(src, tmp_path / "out", mapping=mapping, verify=True, progress=False)
+    with Checkpoint.open(src) as ckpt:
+        by_values = {
+            o.name: _crc(evaluate(o.node, ckpt.view, o.name))
+            for o in result.plan.outputs
+            if o.spec.nbytes
+        }
+        assert _recomputed(result.plan, ckpt) == by_values
+    # (the run's own checksums list the empty output too, as 0)
+    assert result.checksums == {**by_values, "e": 0}
+    assert weightmap.verify(tmp_path / "out", result.plan, source=src) == []
+
+
+_NO_TORCH = """
+import sys, weightmap
+result = weightmap.remap({src!r}, {out!r}, mapping={mapping!r}, verify=True, progress=False)
+assert result.verified and result.checksums
+assert weightmap.verify({out!r}, result.plan, source={src!r}) == []
+assert weightmap.verify({out!r}, result.plan, result.checksums) == []
+print("torch" in sys.modules)
+"""
+
+
+def test_verifying_a_rename_never_imports_torch(ckpt: Path, tmp_path: Path) -> None:
+    """A rename's output is checked by reading bytes: importing torch would cost a verified
+    rename seconds where the rename itself takes a fraction of one."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = _NO_TORCH.format(src=str(ckpt), out=str(tmp_path / "out"), mapping=RENAME)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -16,8 +16,15 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
+from weightmap.execute.segments import byte_segments
 from weightmap.execute.sidefiles import check_side_files, write_side_files
-from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES, ExecutionStats, check_inputs, execute
+from weightmap.execute.streaming import (
+    DEFAULT_CHUNK_BYTES,
+    ExecutionStats,
+    check_inputs,
+    crc_of_ranges,
+    execute,
+)
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.layout import CONFIG_NAME, Layouts
@@ -567,7 +574,12 @@ def _check_output(
     """The tensors and config of ``dest`` against the plan and checksums; its side files
     against the plan and, given ``files_root``, the input's files."""
     with Checkpoint.open(dest) as ckpt:
-        problems = _differences(plan, ckpt, checksums)
+        fds: dict[Path, int] = {}
+        try:
+            problems = _differences(plan, ckpt, checksums, fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
     return problems + check_side_files(plan.files, dest, files_root)
 
 
@@ -584,16 +596,42 @@ def _crc(t: torch.Tensor) -> int:
 
 
 def _recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
-    """Each output's CRC-32, computed from the input one tensor at a time."""
+    """Each output's CRC-32, computed from the input one tensor at a time: an output that is
+    input bytes (a rename, a keep, a slice of rows) from those bytes, read with pread; only a
+    computed one through its values (and torch)."""
     check_inputs(plan, ckpt)
-    return {
-        out.name: _crc(evaluate(out.node, ckpt.view, out.name))
-        for out in plan.outputs
-        if out.spec.nbytes
-    }
+    found: dict[str, int] = {}
+    fds: dict[Path, int] = {}
+    try:
+        for out in plan.outputs:
+            if not out.spec.nbytes:
+                continue
+            segments = byte_segments(out.node)
+            if segments is not None and all(ckpt.has_range(s.name) for s in segments):
+                where = [(ckpt.location(s.name), s) for s in segments]
+                ranges = [(loc.path, loc.offset + s.offset, s.length) for loc, s in where]
+                found[out.name] = crc_of_ranges(ranges, fds)
+            else:
+                found[out.name] = _crc(evaluate(out.node, ckpt.view, out.name))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return found
 
 
-def _differences(plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int]) -> list[str]:
+def _stored_crc(ckpt: Checkpoint, name: str, fds: dict[Path, int]) -> int:
+    """CRC-32 of tensor ``name`` of ``ckpt`` as stored: its byte range read with pread (no
+    torch: checking a rename's output must not cost the seconds importing torch takes), or,
+    for a tensor that is no byte range of its file, its values' bytes."""
+    if not ckpt.has_range(name):
+        return _crc(ckpt.view(name))
+    loc = ckpt.location(name)
+    return crc_of_ranges([(loc.path, loc.offset, loc.length)], fds)
+
+
+def _differences(
+    plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int], fds: dict[Path, int]
+) -> list[str]:
     problems: list[str] = []
     expected = {s.name: s for s in plan.output_specs()}
     found = {s.name: s for s in ckpt.specs()}
@@ -608,7 +646,7 @@ def _differences(plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int]) -> 
                 f"{name!r} is {got.dtype}{list(got.shape)}, planned {spec.dtype}{list(spec.shape)}"
             )
             continue
-        if spec.nbytes and _crc(ckpt.view(name)) != checksums[name]:
+        if spec.nbytes and _stored_crc(ckpt, name, fds) != checksums[name]:
             problems.append(f"{name!r} bytes differ from what was written")
     if plan.config is not None and ckpt.config != plan.config:
         problems.append("config.json differs from the plan's")
