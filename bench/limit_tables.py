@@ -42,6 +42,44 @@ def _row(r: LimitResult, first: list[str]) -> list[str]:
     ]
 
 
+def _whole(r: LimitResult) -> tuple[list[str], list[list[str]]]:
+    """The whole command as a user runs it: the job's process from start to exit (the
+    interpreter and `import weightmap` included, which the tables above leave out), against
+    `cp --fsync`'s own process."""
+    tools = ["weightmap", *(["before"] if "before" in r.samples else [])]
+    header = ["filesystem", "checkpoint"]
+    row = [r.fs, _what(r)]
+    for tool in tools:
+        s = r.samples[tool]
+        process = s.median("process")
+        header += [f"{tool}: whole process", f"{tool}: of which starting (imports)"]
+        row += [fmt_s(process), fmt_s(s.median("startup"))]
+    process = r.samples["weightmap"].median("process")
+    cp = r.samples["cp+fsync"].median("seconds")
+    header += ["cp + fsync", "weightmap process / (cp + fsync)"]
+    row += [fmt_s(cp), ratio(process, cp)]
+    return header, [row]
+
+
+def _whole_table(results: list[LimitResult]) -> list[str]:
+    if not results:
+        return []
+    header: list[str] = []
+    rows: list[list[str]] = []
+    for r in results:
+        header, found = _whole(r)
+        rows += found
+    return [
+        "The whole command, as a user runs it (medians): each weightmap job's process from "
+        "start to exit, and of that the time from the job's first line to the conversion's "
+        "start (`import weightmap` and the job's own set-up), against the process of `cp` + "
+        "fsync:",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
 def _header(first: list[str]) -> list[str]:
     before = ["before"] if "before" in SOURCES else []
     return [*first, "weightmap", *before, "cp", "cp + fsync", "weightmap / (cp + fsync)",
@@ -127,6 +165,7 @@ def many_section(ext4: LimitResult | None, cow: CowResults | None = None) -> lis
         *table(_header(["filesystem"]), [_row(ext4, ["ext4"])]),
         "",
         *_stages([ext4, *(cow.results if cow else [])]),
+        *_whole_table([ext4]),
     ]
 
 
@@ -161,4 +200,5 @@ def cow_section(cow: CowResults | None) -> list[str]:
         "",
         *table(header, space),
         "",
+        *_whole_table(cow.results),
     ]
