@@ -222,12 +222,25 @@ def test_input_changed_after_compile_is_detected(tmp_path: Path) -> None:
         execute(plan, c, tmp_path / "out")
 
 
-def test_recomputed_checksums_read_bytes_where_the_output_is_input_bytes(tmp_path: Path) -> None:
-    """verify(source=) CRCs an output that is input bytes (renamed, a slice of rows, kept)
-    from the input's byte ranges, and a computed one (a cast, a transpose) from its values:
-    each equals the CRC of the values, and the files written verify clean."""
+def test_recomputed_checksums_read_bytes_only_for_whole_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify(source=) CRCs an input tensor taken whole (renamed, kept) from its bytes, and
+    everything else (slices, a cast, a transpose) from its values, so that the writer's byte
+    arithmetic for slices is checked by another route: each equals the CRC of the values, and
+    the files written verify clean."""
+    import weightmap.api as api
     from weightmap.api import _crc, _recomputed
     from weightmap.execute.kernels import evaluate
+
+    read: list[list[tuple[Path, int, int]]] = []
+    real = api.crc_of_ranges
+
+    def recorded(ranges: list[tuple[Path, int, int]], fds: dict[Path, int]) -> int:
+        read.append(list(ranges))
+        return real(ranges, fds)
+
+    monkeypatch.setattr(api, "crc_of_ranges", recorded)
 
     src = tmp_path / "in"
     src.mkdir()
@@ -237,12 +250,13 @@ def test_recomputed_checksums_read_bytes_where_the_output_is_input_bytes(tmp_pat
             "b": torch.arange(5, dtype=torch.bfloat16),
             "w": torch.arange(6, dtype=torch.float16).reshape(2, 3),
             "empty": torch.zeros(0, 3),
+            "x": torch.arange(7, dtype=torch.int64),
         },
         str(src / "model.safetensors"),
     )
     mapping = (
         'weightmap 1\nsplit "qkv" dim 0 sizes [2, 2, 2] -> "q", "k", "v"\n'
-        'cast "b" to F32\ntranspose "w"\nrename "empty" -> "e"\n'
+        'cast "b" to F32\ntranspose "w"\nrename "empty" -> "e"\nkeep "x"\n'
     )
     result = weightmap.remap(src, tmp_path / "out", mapping=mapping, verify=True, progress=False)
     with Checkpoint.open(src) as ckpt:
@@ -251,7 +265,9 @@ def test_recomputed_checksums_read_bytes_where_the_output_is_input_bytes(tmp_pat
             for o in result.plan.outputs
             if o.spec.nbytes
         }
+        read.clear()
         assert _recomputed(result.plan, ckpt) == by_values
+        assert read == [[(ckpt.location("x").path, ckpt.location("x").offset, 56)]]
     # (the run's own checksums list the empty output too, as 0)
     assert result.checksums == {**by_values, "e": 0}
     assert weightmap.verify(tmp_path / "out", result.plan, source=src) == []
@@ -276,7 +292,11 @@ def test_verifying_a_rename_never_imports_torch(ckpt: Path, tmp_path: Path) -> N
     from conftest import REPO
 
     code = _NO_TORCH.format(src=str(ckpt), out=str(tmp_path / "out"), mapping=RENAME)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "src")}
+    env = {
+        **__import__("os").environ,
+        "PYTHONPATH": str(REPO / "src"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # (its parsed program: not the user's)
+    }
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )

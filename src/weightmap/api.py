@@ -16,7 +16,6 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
-from weightmap.execute.segments import byte_segments
 from weightmap.execute.sidefiles import check_side_files, write_side_files
 from weightmap.execute.streaming import (
     DEFAULT_CHUNK_BYTES,
@@ -33,6 +32,7 @@ from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
+from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
 # The Ray executor, in-place rewrites, inversion and the Hub are imported where they are used:
@@ -596,23 +596,28 @@ def _crc(t: torch.Tensor) -> int:
 
 
 def _recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
-    """Each output's CRC-32, computed from the input one tensor at a time: an output that is
-    input bytes (a rename, a keep, a slice of rows) from those bytes, read with pread; only a
-    computed one through its values (and torch)."""
+    """Each output's CRC-32, computed from the input one tensor at a time: an input tensor of
+    a safetensors file taken whole (a rename, a keep) from its bytes, read with pread, which
+    is what a torch view of it would hold; any other output through its values (and torch).
+
+    Only the whole tensor: a slice's or a concatenation's byte ranges are the writer's own
+    arithmetic, which recomputing from the values checks; and a PyTorch file's offsets are
+    ours, where its values are torch's own reading of it.
+    """
     check_inputs(plan, ckpt)
+    safetensors = ckpt.format == "safetensors"
     found: dict[str, int] = {}
     fds: dict[Path, int] = {}
     try:
         for out in plan.outputs:
             if not out.spec.nbytes:
                 continue
-            segments = byte_segments(out.node)
-            if segments is not None and all(ckpt.has_range(s.name) for s in segments):
-                where = [(ckpt.location(s.name), s) for s in segments]
-                ranges = [(loc.path, loc.offset + s.offset, s.length) for loc, s in where]
-                found[out.name] = crc_of_ranges(ranges, fds)
+            node = out.node
+            if safetensors and type(node) is Source and ckpt.has_range(node.name):
+                loc = ckpt.location(node.name)
+                found[out.name] = crc_of_ranges([(loc.path, loc.offset, loc.length)], fds)
             else:
-                found[out.name] = _crc(evaluate(out.node, ckpt.view, out.name))
+                found[out.name] = _crc(evaluate(node, ckpt.view, out.name))
     finally:
         for fd in fds.values():
             os.close(fd)
