@@ -1,7 +1,7 @@
 """The mapping language's syntax tree: immutable values with source locations.
 
 The parser (``syntax.py``) builds these from text; the compiler (``compile.py``) reads them;
-``unparse.py`` writes them back as text (used by ``Mapping.inverse()``). Every node carries a
+``unparse.py`` writes them back as text (used by ``invert``). Every node carries a
 :class:`Loc` so that any later error can point at the rule that caused it.
 """
 

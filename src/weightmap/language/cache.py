@@ -66,15 +66,16 @@ def versions() -> str:
     return f"py{sys.version_info[0]}{sys.version_info[1]}-lark{lark.__version__}"
 
 
-def _lark_source() -> bytes:
+def _lark_source() -> bytes | None:
     """lark's package file, which sets its version: read, not imported, for a parsed
     program's key (a program loaded from the cache needs no parser, and importing lark takes
-    a tenth of a second). Empty where it cannot be read."""
+    a tenth of a second). None where it cannot be read (lark inside a zip, say): programs are
+    then not cached, as a key without lark's version could load what another lark parsed."""
     try:
         spec = importlib.util.find_spec("lark")
-        return b"" if spec is None or spec.origin is None else Path(spec.origin).read_bytes()
+        return None if spec is None or spec.origin is None else Path(spec.origin).read_bytes()
     except (ImportError, ValueError, OSError):
-        return b""
+        return None
 
 
 def load(path: str) -> Any | None:
@@ -130,10 +131,11 @@ def _code_digest() -> str | None:
     by other code is never taken for this code's. None where the code cannot be read (an
     installation without source files): then programs are not cached."""
     sources = sorted(Path(__file__).parent.glob("*.py"))
-    if not sources:
+    lark_source = _lark_source()
+    if not sources or lark_source is None:
         return None
     h = hashlib.sha256(f"py{sys.version_info[0]}{sys.version_info[1]}".encode())
-    h.update(_lark_source() + b"\0")
+    h.update(lark_source + b"\0")
     h.update(read_text("grammars", "weightmap.lark").encode())
     for source in sources:
         h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
