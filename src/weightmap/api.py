@@ -22,6 +22,7 @@ from weightmap.execute.streaming import (
     ExecutionStats,
     check_inputs,
     crc_of_ranges,
+    descriptors,
     execute,
 )
 from weightmap.format.checkpoint import Checkpoint
@@ -573,13 +574,8 @@ def _check_output(
 ) -> list[str]:
     """The tensors and config of ``dest`` against the plan and checksums; its side files
     against the plan and, given ``files_root``, the input's files."""
-    with Checkpoint.open(dest) as ckpt:
-        fds: dict[Path, int] = {}
-        try:
-            problems = _differences(plan, ckpt, checksums, fds)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+    with Checkpoint.open(dest) as ckpt, descriptors() as fds:
+        problems = _differences(plan, ckpt, checksums, fds)
     return problems + check_side_files(plan.files, dest, files_root)
 
 
@@ -607,20 +603,15 @@ def _recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
     check_inputs(plan, ckpt)
     safetensors = ckpt.format == "safetensors"
     found: dict[str, int] = {}
-    fds: dict[Path, int] = {}
-    try:
+    with descriptors() as fds:
         for out in plan.outputs:
             if not out.spec.nbytes:
                 continue
             node = out.node
             if safetensors and type(node) is Source and ckpt.has_range(node.name):
-                loc = ckpt.location(node.name)
-                found[out.name] = crc_of_ranges([(loc.path, loc.offset, loc.length)], fds)
+                found[out.name] = _stored_crc(ckpt, node.name, fds)
             else:
                 found[out.name] = _crc(evaluate(node, ckpt.view, out.name))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     return found
 
 

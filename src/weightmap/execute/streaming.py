@@ -23,6 +23,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "check_unchanged",
     "crc_of_ranges",
     "default_workers",
+    "descriptors",
     "execute",
 ]
 
@@ -169,15 +171,22 @@ def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: dict[Path, int])
     return crc
 
 
-def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
-    """CRC-32 of copied tensors, read from their input ranges."""
+@contextmanager
+def descriptors() -> Iterator[dict[Path, int]]:
+    """The file descriptors ``crc_of_ranges`` opens as it goes, closed at the end."""
     fds: dict[Path, int] = {}
     try:
-        for name, ranges in names:
-            into[name] = crc_of_ranges(ranges, fds)
+        yield fds
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
+    """CRC-32 of copied tensors, read from their input ranges."""
+    with descriptors() as fds:
+        for name, ranges in names:
+            into[name] = crc_of_ranges(ranges, fds)
 
 
 def _run_all(tasks: Sequence[Callable[[], None]], workers: int) -> None:

@@ -129,7 +129,7 @@ def _code_digest() -> str | None:
     """A hash of everything a parsed program depends on: the grammar and the language
     package's code (the parser and the classes a program is made of), so that a program parsed
     by other code is never taken for this code's. None where the code cannot be read (an
-    installation without source files): then programs are not cached."""
+    installation without source files, lark inside a zip): then programs are not cached."""
     sources = sorted(Path(__file__).parent.glob("*.py"))
     lark_source = _lark_source()
     if not sources or lark_source is None:
