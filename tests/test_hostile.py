@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import weightmap
@@ -26,6 +27,9 @@ from weightmap.format.layout import JOURNAL_NAME
 
 EXE = [sys.executable, "-m", "weightmap"]
 REPO = Path(__file__).resolve().parent.parent
+
+
+KEEP_ALL_MAPPING = "weightmap 1\nunmatched keep\n"
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -1006,6 +1010,72 @@ def test_a_folder_named_model_safetensors_is_named_as_such(tmp_path: Path) -> No
     result = _run("inspect", str(root))
     assert "found model.safetensors" not in result.stderr
     assert "is a folder, not a file" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "dangling"])
+def test_a_config_json_that_cannot_be_read_is_no_missing_config(ckpt: Path, kind: str) -> None:
+    # Taken for absent, it would be converted without a config.json and without a word.
+    config = ckpt / "config.json"
+    config.unlink()
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "folder":
+        config.mkdir()
+    else:
+        config.symlink_to("nowhere.json")
+    rule = "dangling-link" if kind == "dangling" else "not-a-file"
+    with pytest.raises(CheckpointError, match=rf"config\.json is .*\[{rule}\]"):
+        weightmap.remap(ckpt, ckpt.parent / "out", mapping=KEEP_ALL_MAPPING)
+    assert not (ckpt.parent / "out").exists()
+
+
+def test_a_dangling_index_is_no_missing_index(ckpt: Path) -> None:
+    (ckpt / "model.safetensors.index.json").symlink_to("gone.json")
+    with pytest.raises(CheckpointError, match=r"gone\.json, which does not exist"):
+        weightmap.Checkpoint.open(ckpt)
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_overwrite_replaces_an_old_output_folder_only(
+    ckpt: Path, tmp_path: Path, kind: str
+) -> None:
+    # As root, `--overwrite` to /dev/null would otherwise make it a folder.
+    dest = tmp_path / "dest"
+    if kind == "file":
+        dest.write_text("my notes\n")
+    else:
+        os.mkfifo(dest)
+    with pytest.raises(
+        weightmap.OutputExistsError, match=rf"is a {kind if kind == 'file' else 'special file'}"
+    ):
+        weightmap.remap(ckpt, dest, preset="eagle3-sglang", overwrite=True, progress=False)
+    assert not dest.is_dir()
+    if kind == "file":
+        assert dest.read_text() == "my notes\n"
+    result = _run("convert", str(ckpt), str(dest), "--preset", "eagle3-sglang", "--overwrite")
+    assert result.returncode == 1 and "not a folder" in result.stderr
+
+
+def test_control_characters_from_a_checkpoint_are_escaped_on_the_terminal(
+    tmp_path: Path,
+) -> None:
+    # Escape sequences in names and config values would retitle the terminal or set the
+    # clipboard (OSC 52) when printed raw.
+    from safetensors.numpy import save_file
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    evil = "a\x1b]52;c;cHduZWQ=\x07b"
+    save_file({evil: np.zeros(2, np.float32)}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({"model_type": "\x1b[2Jx"}))
+    shown = _run("inspect", str(root))
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "a\\x1b]52;c;cHduZWQ=\\x07b" in shown.stdout
+    rules = tmp_path / "m.wm"
+    rules.write_text('weightmap 1\nrename "zzz" -> "y"\n')
+    failed = _run("convert", str(root), str(tmp_path / "out"), "--mapping", str(rules))
+    assert failed.returncode == 2
+    assert "\x1b" not in failed.stderr and "a\\x1b]52" in failed.stderr
 
 
 def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> None:

@@ -105,11 +105,65 @@ def test_hub_cache_links_into_blobs_are_followed(tmp_path: Path, example: Path) 
 
 def test_output_inside_the_input_folder_is_not_carried(tmp_path: Path, example: Path) -> None:
     src = _folder(tmp_path, example)
-    weightmap.remap(src, src / "converted", mapping=KEEP_ALL, progress=False)
-    result = weightmap.remap(
-        src, src / "converted", mapping=KEEP_ALL, overwrite=True, progress=False
-    )
+    result = weightmap.remap(src, src / "converted", mapping=KEEP_ALL, progress=False)
     assert not any(f.name.startswith("converted") for f in result.plan.files)
+
+
+@pytest.mark.parametrize("dest", ["tokenizer", "converted", "link"])
+def test_an_existing_folder_inside_the_input_is_never_replaced(
+    tmp_path: Path, example: Path, dest: str
+) -> None:
+    # What it holds is part of the input (the tokenizer folder, an old output the user may
+    # still want): left out of the side files because it is the destination, and replacing
+    # it would delete it. A link in the folder is part of it too, wherever it points.
+    src = _folder(tmp_path, example)
+    weightmap.remap(src, src / "converted", mapping=KEEP_ALL, progress=False)
+    (tmp_path / "elsewhere").mkdir()
+    (src / "link").symlink_to(tmp_path / "elsewhere")
+    before = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    with pytest.raises(weightmap.OutputExistsError, match="inside the input folder"):
+        weightmap.remap(src, src / dest, mapping=KEEP_ALL, overwrite=True, progress=False)
+    assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == before
+    assert (src / "link").is_symlink()
+
+
+def test_a_link_is_no_way_around_the_listing(tmp_path: Path, example: Path) -> None:
+    # A link inside the folder to a file the listing leaves out is not followed: a remote's
+    # URL in .git/config can hold a token, and the weights are the unconverted tensors.
+    src = _folder(tmp_path, example)
+    (src / ".git" / "config").write_text("url = https://user:hf_abcdefghijkl@example.com/m\n")
+    (src / "notes.txt").symlink_to(Path(".git", "config"))
+    (src / "weights.txt").symlink_to("pytorch_model.bin")
+    (src / "cfg.txt").symlink_to("config.json")
+    files = list_side_files(src)
+    assert {f.name for f in files.files} == CARRIED
+    assert sorted(files.skipped) == [
+        "side file 'cfg.txt' is not carried: it is a link to 'config.json', the config, which "
+        "is not carried under its own name either",
+        "side file 'notes.txt' is not carried: it is a link to '.git/config', a hidden file, "
+        "which is not carried under its own name either",
+        "side file 'weights.txt' is not carried: it is a link to 'pytorch_model.bin', weights, "
+        "which is not carried under its own name either",
+    ]
+    weightmap.remap(src, tmp_path / "out", mapping=KEEP_ALL, progress=False)
+    assert not (tmp_path / "out" / "notes.txt").exists()
+
+
+def test_a_link_repointed_at_a_hidden_file_after_planning_is_refused(
+    tmp_path: Path, example: Path
+) -> None:
+    src = _folder(tmp_path, example)
+    (src / "notes.txt").symlink_to("README.md")
+
+    def repoint(plan: Plan) -> None:
+        assert "notes.txt" in {f.name for f in plan.files}
+        (src / "notes.txt").unlink()
+        (src / ".git" / "config").write_text("# a model\n")  # the planned size
+        (src / "notes.txt").symlink_to(Path(".git", "config"))
+
+    with pytest.raises(CheckpointError, match=r"a hidden file.*\[changed\]"):
+        weightmap.remap(src, tmp_path / "out", mapping=KEEP_ALL, progress=False, on_plan=repoint)
+    assert not (tmp_path / "out").exists()
 
 
 def test_files_block_drops_renames_and_adds(tmp_path: Path, example: Path) -> None:

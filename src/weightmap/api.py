@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightmap.compiler.compile import compile_plan
-from weightmap.errors import CheckpointError, ExecutionError, WeightmapError
+from weightmap.errors import (
+    CheckpointError,
+    ExecutionError,
+    OutputExistsError,
+    WeightmapError,
+)
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
 from weightmap.execute.sidefiles import check_side_files, write_side_files
@@ -320,6 +325,8 @@ def remap(
         with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
             if inplace:
                 _check_inplace_source(ckpt)
+            if out is not None and src.folder and src.repo is None:
+                _check_not_in_input(Path(out), ckpt.root)
             carried = src.side_files(ckpt, rules, side_files, out)
             if inplace and carried is not None:
                 # Listed in place too, so that `exists file` sees what a conversion into a new
@@ -462,6 +469,23 @@ def _check_destination(out: Path) -> None:
         f"model.safetensors (or shards and an index), config.json and the side files inside "
         f"it; give the folder ({out.parent / out.stem}), or create a folder of that name "
         "first and pass overwrite=True (--overwrite)"
+    )
+
+
+def _check_not_in_input(out: Path, root: Path) -> None:
+    """Refuse to replace an existing destination inside the input folder: what it holds is
+    part of the input (a tokenizer folder, the file a `config from` reads), left out of the
+    side files only because it is the destination, and replacing it would delete it."""
+    if not (out.exists() or out.is_symlink()):
+        return  # a new folder inside the input one replaces nothing
+    # Where the entry itself lies (a link in the folder is part of it, wherever it points).
+    entry, real_root = out.parent.resolve() / out.name, root.resolve()
+    if entry == real_root or not entry.is_relative_to(real_root):
+        return  # (the input itself, or a folder that holds it, is refused by the writer)
+    raise OutputExistsError(
+        f"{out} already exists inside the input folder {root}: replacing it would delete part "
+        "of the input; choose a destination outside the input folder (or remove it yourself "
+        "if it is an old output)"
     )
 
 

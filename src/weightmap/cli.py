@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, recover, remap
@@ -22,7 +22,7 @@ from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, 
 from weightmap.format.atomic import remove_path, temporaries
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
-from weightmap.format.text import JsonRefused, json_problem, strict_json
+from weightmap.format.text import JsonRefused, json_problem, printable, strict_json
 from weightmap.format.text import human_size as _human
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
@@ -33,6 +33,27 @@ __all__ = ["main"]
 
 class UsageError(Exception):
     """A command line that cannot be run as given (exit code 2)."""
+
+
+class _Printable:
+    """Standard output with control characters written as escapes (``printable``): tensor
+    names, config values and file names come from checkpoints made by strangers, and every
+    command prints some of them."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(printable(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _err(message: str) -> None:
+    """A line on stderr, control characters escaped as on stdout."""
+    print(printable(message), file=sys.stderr)
 
 
 def _params(items: Sequence[str] | None) -> dict[str, Any]:
@@ -90,7 +111,7 @@ def _summary(plan: Plan) -> str:
 
 def _warn(plan: Plan) -> None:
     for w in plan.warnings:
-        print(f"weightmap: warning: {w}", file=sys.stderr)
+        _err(f"weightmap: warning: {w}")
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -290,7 +311,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         try:
             remove_path(path)
         except OSError as exc:  # another user's, or in a read-only folder: say so, go on
-            print(f"weightmap: could not remove {path}: {exc.strerror or exc}", file=sys.stderr)
+            _err(f"weightmap: could not remove {path}: {exc.strerror or exc}")
             failed += 1
             continue
         print(f"removed {path}")
@@ -428,6 +449,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("WEIGHTMAP_DEBUG", "") not in ("", "0")
+    stdout = sys.stdout
+    sys.stdout = cast(TextIO, _Printable(stdout))
+    try:
+        return _run(args, debug)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
+    """The command, its known errors as a line on stderr and an exit code."""
     try:
         code: int = args.func(args)
         # Flushed here, not at exit, so that a closed pipe is caught below.
@@ -446,21 +477,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         # Mapping errors span several lines (one per problem, with carets): keep them whole.
-        print(f"weightmap: error: {exc}", file=sys.stderr)
+        _err(f"weightmap: error: {exc}")
         return 2
     except (WeightmapError, OSError) as exc:
         if debug:
             raise
-        print(f"weightmap: error: {exc}", file=sys.stderr)
+        _err(f"weightmap: error: {exc}")
         return 1
     except ValueError as exc:
         # Argument values the library refuses (a size like "5XB", a negative worker count).
         if debug:
             raise
-        print(f"weightmap: error: {exc}", file=sys.stderr)
+        _err(f"weightmap: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("weightmap: interrupted; nothing was committed", file=sys.stderr)
+        _err("weightmap: interrupted; nothing was committed")
         return 130
 
 

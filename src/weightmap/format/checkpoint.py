@@ -199,10 +199,31 @@ def _check_complete(
         )
 
 
+def _refuse_not_file(path: Path, name: str) -> None:
+    """Refuse ``path`` if something other than a regular file (or a link to one) is there."""
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(
+            f"{name} is a symbolic link to {os.readlink(path)}, which does not exist; "
+            "fix or remove the link",
+            path=path,
+            rule="dangling-link",
+        )
+    if path.exists() and not path.is_file():
+        kind = "folder" if path.is_dir() else "special file (a FIFO, socket or device)"
+        raise CheckpointError(
+            f"{name} is a {kind}, not a file; remove it or put the file there",
+            path=path,
+            rule="not-a-file",
+        )
+
+
 def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any] | None:
     """The JSON object in ``root / name``; None when it is absent and not ``required``."""
     config_path = root / name
     if not config_path.is_file():
+        # Absent means absent: a folder, FIFO or link to nothing under the name is a broken
+        # checkpoint, not one without a config (which would be converted without a word).
+        _refuse_not_file(config_path, name)
         if not required:
             return None
         raise CheckpointError(
@@ -293,14 +314,8 @@ class Checkpoint:
         cls._check_journal(root)
         index = root / INDEX_NAME
         single = root / SINGLE_NAME
-        for special in (index, single):
-            if special.exists() and not special.is_file():
-                raise CheckpointError(
-                    f"{special.name} is a {'folder' if special.is_dir() else 'special file'}, "
-                    "not a file",
-                    path=special,
-                    rule="not-a-file",
-                )
+        for special in (index, single, root / PICKLE_INDEX, root / PICKLE_SINGLE):
+            _refuse_not_file(special, special.name)
         if index.is_file():
             return cls._from_index(root, index)
         if single.is_file():

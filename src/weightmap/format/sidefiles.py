@@ -12,10 +12,11 @@ A model folder is more than its weights and config.json: the tokenizer (``tokeni
   ``.pt``, ``.pth``, ...: they hold the unconverted tensors) and their indexes;
 - not hidden files and folders (``.git``, ``.cache``, ``.gitattributes``, weightmap's own
   journal and temporaries);
-- a symbolic link is followed when it ends at a regular file inside the folder or, in a hub
-  cache's ``snapshots/<revision>/``, in that repository's ``blobs/`` (the file is copied, not
-  the link); a link that leaves the folder, a dangling link, a link to a folder, a FIFO, a
-  socket or a device is skipped with a warning.
+- a symbolic link is followed when it ends at a regular file inside the folder that would be
+  carried under its own name or, in a hub cache's ``snapshots/<revision>/``, in that
+  repository's ``blobs/`` (the file is copied, not the link); a link that leaves the folder, a
+  link to a hidden file, the config, weights or an index, a dangling link, a link to a folder,
+  a FIFO, a socket or a device is skipped with a warning.
 
 :func:`copy_file` copies one file in the kernel (``copy_file_range``), never through memory.
 """
@@ -191,6 +192,8 @@ class _Walk:
             return
         if link and not inside_folder(path.resolve(), self.root):
             self.skip(name, f"it is a link that leaves the folder (to {path.resolve()})")
+        elif link and (why := _target_reason(path.resolve(), self.root, self.config_name)):
+            self.skip(name, why)
         elif stat.S_ISDIR(st.st_mode):
             if link:
                 self.skip(name, "it is a link to a folder (links to folders are not followed)")
@@ -204,6 +207,25 @@ class _Walk:
             self.skip(name[:200], "its name cannot be written")
         else:
             self.files.append(FileSpec(name, st.st_size))
+
+
+def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -> str | None:
+    """Why a link inside the folder that ends at ``resolved`` is not followed, or None.
+
+    A link is no way around the listing's own rules: one to ``.git/config`` (which may hold a
+    token in a remote's URL) would carry a hidden file, one to the weights would carry the
+    unconverted tensors under another name."""
+    if not resolved.is_relative_to(root):
+        return None  # a hub cache blob, named by its hash: the link's own name was checked
+    target = resolved.relative_to(root).as_posix()
+    reason = replaced_reason(target, config_name)
+    if reason is None:
+        return None
+    what = {"hidden": "a hidden file", "config": "the config", "index": "an index"}
+    return (
+        f"it is a link to {target!r}, {what.get(reason, 'weights')}, which is not carried "
+        "under its own name either"
+    )
 
 
 def _open_no_links(resolved: Path) -> int:
@@ -260,6 +282,14 @@ def open_side_file(root: Path, name: str, size: int) -> int:
     resolved = path.resolve()
     if bad_file_name(name) is not None or not inside_folder(resolved, real_root):
         raise CheckpointError(f"side file {name!r} leaves the folder", path=root, rule="side-file")
+    if resolved != path and (why := _target_reason(resolved, real_root)) is not None:
+        # The listing skipped such links: one that points there now was changed since.
+        raise CheckpointError(
+            f"side file {name!r} is not carried: {why}; the folder changed since the plan was "
+            "made: run the conversion again",
+            path=root,
+            rule="changed",
+        )
     try:
         fd = _open_no_links(resolved)
     except OSError as err:

@@ -51,6 +51,23 @@ MAX_JSON_VALUES = 1_000_000
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+# Control characters but tab and newline: C0, DEL and C1 (which some terminals read as CSI).
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    r"""``text`` with every control character but tab and newline written as an escape.
+
+    Names and values in messages come from checkpoints and configs made by strangers, and an
+    escape sequence printed raw can retitle the terminal, rewrite what it shows or (OSC 52)
+    set the clipboard.
+
+    >>> printable("a\x1b]0;pwned\x07b")
+    'a\\x1b]0;pwned\\x07b'
+    """
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def human_size(n: int) -> str:
     """A byte count in decimal units, as the hub writes sizes.
 

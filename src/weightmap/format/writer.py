@@ -125,6 +125,14 @@ class CheckpointWriter:
             raise OutputExistsError(
                 f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
             )
+        if self.dest.exists() and not self.dest.is_symlink() and not self.dest.is_dir():
+            # overwrite replaces an old output, which is a folder; a file, FIFO or device
+            # under the name is something else (as root, /dev/null would be replaced).
+            kind = "file" if self.dest.is_file() else "special file (a FIFO, socket or device)"
+            raise OutputExistsError(
+                f"{self.dest} is a {kind}, not a folder: overwrite=True (--overwrite) replaces "
+                "an old output folder only; remove it yourself or choose another destination"
+            )
         if self.dest.exists() and (why := removal_problem(self.dest)) is not None:
             # Checked now: after the swap the new output would be in place and the old one
             # stuck beside it under a temporary name.
