@@ -373,3 +373,24 @@ def test_entry_keys_in_any_order(tmp_path: Path) -> None:
         headers.append(read_header(write_raw(tmp_path / f"{i}.safetensors", raw, b"\0" * 28)))
     assert all(h.tensors == headers[0].tensors for h in headers)
     assert headers[0].tensors["a"].shape == (2, 3) and headers[0].tensors["b"].end == 28
+
+
+def test_a_text_file_in_place_of_a_shard_is_named_as_text(tmp_path: Path) -> None:
+    # A JSON file or a git LFS pointer where a shard should be: its first 8 bytes read as a
+    # huge header length, and the message says what the file really is.
+    for name, text in (
+        ("index.safetensors", '{"weight_map": {"x": "model.safetensors"}}'),
+        ("lfs.safetensors", "version https://git-lfs.github.com/spec/v1\noid sha256:ab\n"),
+    ):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(FormatError, match=r"it is not a safetensors file .*too-large"):
+            read_header(tmp_path / name)
+
+
+def test_an_integer_of_thousands_of_digits_is_an_overflow(tmp_path: Path) -> None:
+    # Python's int-parsing limit would otherwise suggest raising that limit.
+    header = '{"x":{"dtype":"F32","shape":[' + "1" * 5001 + '],"data_offsets":[0,4]}}'
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
+    with pytest.raises(FormatError, match=r"thousands of digits.*\[overflow\]"):
+        read_header(path)

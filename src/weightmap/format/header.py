@@ -137,6 +137,15 @@ def _decode_json(text: str, path: str) -> Any:
         raise
     except (ValueError, RecursionError) as exc:
         _check_nesting(text, path)
+        if "int_max_str_digits" in str(exc):
+            # Python's own limit on int parsing; its message suggests raising the limit,
+            # which is no fix for a hostile file: no dimension or offset needs 4,300 digits.
+            raise _fail(
+                path,
+                "overflow",
+                "header holds an integer of thousands of digits: no dimension "
+                "or offset fits in 64 bits",
+            ) from None
         raise _fail(path, "header-json", f"header is not valid JSON ({exc})") from None
 
 
@@ -441,6 +450,17 @@ def parse_header(
     )
 
 
+def _not_safetensors(prefix: bytes) -> str:
+    """A hint for a length prefix that is text: the file is likely no safetensors file at all
+    (a JSON file listed as a shard, a git LFS pointer)."""
+    if prefix and all(32 <= b < 127 or b in b"\t\n\r" for b in prefix):
+        return (
+            f"; the file starts with the text {prefix.decode('ascii')!r}: it is not a "
+            "safetensors file (a JSON file, or a git LFS pointer not yet downloaded?)"
+        )
+    return ""
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of a safetensors file, reading no tensor data.
 
@@ -464,13 +484,15 @@ def read_header(path: str | os.PathLike[str]) -> Header:
                 raise _fail(
                     p,
                     "header-too-large",
-                    f"header length {size} exceeds the {MAX_HEADER_SIZE}-byte cap",
+                    f"header length {size} exceeds the {MAX_HEADER_SIZE}-byte cap"
+                    + _not_safetensors(prefix),
                 )
             if 8 + size > st.st_size:
                 raise _fail(
                     p,
                     "header-beyond-file",
-                    f"header length {size} runs past the end of the {st.st_size}-byte file",
+                    f"header length {size} runs past the end of the {st.st_size}-byte file"
+                    + _not_safetensors(prefix),
                 )
             raw = f.read(size)
     except FileNotFoundError:
