@@ -302,3 +302,15 @@ def test_verifying_a_rename_never_imports_torch(ckpt: Path, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_load_mapping_takes_a_preset_name() -> None:
+    # As the CLI's --mapping and `invert` do (no program is one line without its version).
+    preset = weightmap.load_mapping("eagle3-sglang")
+    assert preset.name == "eagle3-sglang"
+    assert preset.text == (Path(__file__).parents[1] / "mappings" / "eagle3-sglang.wm").read_text()
+    assert weightmap.load_mapping("fp8-quant", name="q").name == "q"
+    with pytest.raises(weightmap.MappingError, match="half an fp8 step"):
+        weightmap.invert(weightmap.load_mapping("fp8-quant"))  # as `weightmap invert fp8-quant`
+    with pytest.raises(weightmap.MappingSyntaxError):
+        weightmap.load_mapping("no-such-preset")

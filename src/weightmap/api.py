@@ -291,7 +291,7 @@ def remap(
     - ``progress``: None shows a bar when stderr is a terminal; True/False force it; a callable
       is called as ``progress(bytes_done, bytes_total)``.
     - ``workers``: writer threads (default: the cores, at most 8); ``chunk_bytes`` bounds the
-      memory of computed tensors, all threads together (default 64 MiB).
+      memory of computed tensors, all threads together (default 32 MiB).
     - ``layout="clone"`` (default) lays out each output shard so that unchanged bytes keep
       their input offsets modulo 4096, which a copy-on-write filesystem (XFS, btrfs) can share
       instead of copying; ``layout="reference"`` writes the bytes ``safetensors.save_file``

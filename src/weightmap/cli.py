@@ -397,7 +397,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _side_files_arg(p)
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar, no summary: warnings and errors only"
+    )
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plan", help="show what a conversion would do, writing nothing")

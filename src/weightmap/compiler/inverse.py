@@ -180,7 +180,7 @@ def _invert_rule(r: A.Rule) -> A.Rule:
     if op == "quantize":
         raise _Refuse(
             "quantization loses precision; dequantizing (the fp8-dequant preset) gives values "
-            "within one fp8 step of the originals, not the originals"
+            "within half an fp8 step of the originals, not the originals"
         )
     if op == "mask":
         raise _Refuse("a mask cannot give back the positions' order: keep the source instead")

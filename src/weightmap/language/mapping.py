@@ -308,11 +308,14 @@ def _read_file(path: Path, name: str | None) -> Mapping:
 
 
 def load_mapping(source: str | os.PathLike[str] | Mapping, *, name: str | None = None) -> Mapping:
-    """Load a mapping from a file path or from source text.
+    """Load a mapping from a file path, a preset name or source text.
 
     A path-like object, or a one-line string naming an existing file (or ending in ``.wm``),
-    is read from disk; any other string is the program itself. A :class:`Mapping` is returned
-    as it is. ``name`` labels errors and plans (default: the file name, or ``<string>``).
+    is read from disk; else a one-line string naming a preset (``"eagle3-sglang"``, see
+    :func:`preset_names`) is that preset; any other string is the program itself (which starts
+    with ``weightmap 1``, so no program is taken for a preset's name). A :class:`Mapping` is
+    returned as it is. ``name`` labels errors and plans (default: the file name, the preset's
+    name, or ``<string>``).
 
     >>> load_mapping('weightmap 1\nrename "a.{x}" -> "b.{x}"').name
     '<string>'
@@ -323,6 +326,9 @@ def load_mapping(source: str | os.PathLike[str] | Mapping, *, name: str | None =
         return _read_file(Path(source), name)
     if not _is_text(source) and (_is_file(source) or source.endswith(PRESET_SUFFIX)):
         return _read_file(Path(source), name)
+    if not _is_text(source) and source in preset_names():
+        preset = load_preset(source)
+        return preset if name is None else from_program(name, preset.text, preset.program)
     label = name or "<string>"
     _check_size(source, label)
     return from_program(label, source, parse_program(source, label))
