@@ -14,6 +14,7 @@ import json
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from weightmap.compiler.arith import VALUE_OPS, build_value
@@ -41,6 +42,11 @@ from weightmap.plan.nodes import Node, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
+
+_ORDER = operator.attrgetter("order")
+_NAME = operator.attrgetter("name")
+_NODE = operator.attrgetter("node")
+_SPEC_NAME = operator.attrgetter("spec.name")
 
 
 @dataclass
@@ -350,7 +356,9 @@ class _Step:
         render = tensor_namer(self.rule.outputs[0], self.scope) if self.rule.outputs else None
         # ws.put and ws.record, inlined for an output whose name is free: routed on to the
         # rules below (or straight to the end after the last rule).
-        alive, history = ws.alive, ws.taken
+        alive = ws.alive
+        took: list[str] = []  # (for ws.record_all: what each name became)
+        became: list[str] = []
         send = ws.sender(r + 1)
         for item, m in taken:
             spec = item.spec
@@ -372,31 +380,39 @@ class _Step:
             else:
                 alive[name] = out
                 send(out)
-            history[spec.name] = (loc, name)
+            took.append(spec.name)
+            became.append(name)
+        ws.record_all(loc, took, became)
         problems.tensor = None
 
     def group(self, taken: list[tuple[Item, Match]]) -> None:
         """merge/stack: members grouped by their captures, one output per group."""
-        by_node = {id(m.node): item for item, m in taken}
-        made: dict[int, str] = {}
+        # By C calls where they can be, not a step per member: a stack takes every expert of
+        # a checkpoint.
+        items: tuple[Item, ...] = ()
+        matches: tuple[Match, ...] = ()
+        if taken:
+            items, matches = zip(*taken, strict=True)
+        node_ids = list(map(id, map(_NODE, matches)))
+        get = dict(zip(node_ids, items, strict=True)).get
+        made: dict[int, str] = {}  # id of a member's node -> the output made of it
 
         def emit(name: str, node: Node) -> None:
-            members = [by_node[id(s)] for s in node.children() if id(s) in by_node]
-            for member in members:
-                made[id(member)] = name
-            order = min((m.order for m in members), default=0)
+            # By C calls alone, not a step per member: a stack takes every expert of a layer.
+            ids = list(map(id, node.children()))
+            made.update(dict.fromkeys(ids, name))
+            order = min(map(_ORDER, filter(None, map(get, ids))), default=0)
             spec = TensorSpec(name, node.dtype, node.shape)
             self.ws.put(Item(spec, node, order, self.rule.loc), self.r)
 
         try:
             members = members_of(self.rule, set(self.scope.params))
-            build_group(self.rule, members, [m for _i, m in taken], self.scope, emit, self.report)
+            build_group(self.rule, members, list(matches), self.scope, emit, self.report)
         except LocatedProblem as p:  # the member scheme, or an output name's template
             self.report(p.loc, p.message)
-        # ws.record for each member, inlined: a stack takes every expert of a checkpoint.
-        history, loc = self.ws.taken, self.rule.loc
-        for item, _m in taken:
-            history[item.spec.name] = (loc, made.get(id(item), ""))
+        # ws.record for each member: the output made of it ("" for none).
+        became = list(map(made.get, node_ids, repeat("")))
+        self.ws.record_all(self.rule.loc, list(map(_SPEC_NAME, items)), became)
 
 
 def _nothing(
@@ -470,7 +486,7 @@ def _finish(
         if type(node) is Source:  # a renamed or kept input, the common output: no call
             add(node.name)
         else:
-            used.update(s.name for s in node.sources())
+            used.update(map(_NAME, node.sources()))
     dropped = [
         Dropped(name=s.name, origin=gone.get(s.name, where))
         for s in c.inputs

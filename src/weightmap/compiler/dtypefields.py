@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from weightmap.plan.nodes import Cast, Node, Source
+from weightmap.plan.nodes import Cast, Node, Source, only_sources
 from weightmap.plan.plan import OutputTensor
 
 __all__ = ["stale_dtype_fields"]
@@ -25,7 +25,9 @@ def _casts(node: Node) -> bool:
         return False
     if isinstance(node, Cast) and node.src.dtype != node.dtype:
         return True
-    return any(_casts(c) for c in node.children())
+    children = node.children()
+    # A stack of inputs (every expert of a layer) casts nothing: seen without a call per child.
+    return not only_sources(children) and any(_casts(c) for c in children)
 
 
 def stale_dtype_fields(

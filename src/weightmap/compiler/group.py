@@ -27,6 +27,7 @@ from weightmap.compiler.ops import (
     norm_dim,
     template_names,
 )
+from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_template
 from weightmap.language.values import Scope, show
@@ -151,9 +152,16 @@ def build_group(
     """Group ``matches`` and emit one Concat/Stack per complete, well-shaped group."""
     groups: dict[tuple[Any, ...], dict[Any, Match]] = {}
     key_of = _key_of(members.key)
-    member = members.member
-    for m in matches:  # one per tensor of the group's rule: a stack takes every expert
-        groups.setdefault(key_of(m.caps), {})[member(m)] = m
+    if members.kind == "int":  # (the commonest: experts by number) a C call, not a method
+        assert members.var is not None
+        value_of = operator.itemgetter(members.var)
+        for m in matches:  # one per tensor of the group's rule: a stack takes every expert
+            caps = m.caps
+            groups.setdefault(key_of(caps), {})[value_of(caps)] = m
+    else:
+        member = members.member
+        for m in matches:
+            groups.setdefault(key_of(m.caps), {})[member(m)] = m
     tmpl = compile_template(rule.outputs[0])
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))
@@ -185,20 +193,31 @@ def _key_of(names: Sequence[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]
     return operator.itemgetter(*names)
 
 
+_SPEC = operator.attrgetter("spec")
+_NODE = operator.attrgetter("node")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+
+
+def _listing(specs: Sequence[TensorSpec]) -> str:
+    """The members and their shapes, for a message."""
+    return ", ".join(f"`{x.name}` {list(x.shape)}" for x in specs)
+
+
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:
     if rule.op in ("add", "mul"):
         return binary_node(rule, ordered, scope, caps)
-    specs = [m.spec for m in ordered]
+    # By C calls where they can be: a stack takes every expert of a layer (hundreds).
+    specs = list(map(_SPEC, ordered))
     first = specs[0]
-    dtypes = {s.dtype for s in specs}
+    dtypes = set(map(_DTYPE, specs))
     if len(dtypes) > 1:
         raise RuleProblem(f"members have different dtypes: {', '.join(sorted(dtypes))}")
-    srcs = tuple(m.node for m in ordered)
+    srcs = tuple(map(_NODE, ordered))
     s = Scope(scope.params, scope.config, caps)
-    listing = ", ".join(f"`{x.name}` {list(x.shape)}" for x in specs)
     if rule.op == "stack":
-        if len({x.shape for x in specs}) > 1:
-            raise RuleProblem(f"members have different shapes: {listing}")
+        if len(set(map(_SHAPE, specs))) > 1:
+            raise RuleProblem(f"members have different shapes: {_listing(specs)}")
         d = norm_dim(
             as_int(evaluate(rule.dim, s), "dim") if rule.dim else 0,
             len(first.shape),
@@ -210,7 +229,7 @@ def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]
     d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(first.shape), f"`{first.name}`")  # type: ignore[arg-type]
     rest = {x.shape[:d] + x.shape[d + 1 :] for x in specs}
     if len(rest) > 1 or len({len(x.shape) for x in specs}) > 1:
-        raise RuleProblem(f"members differ outside dim {d}: {listing}")
+        raise RuleProblem(f"members differ outside dim {d}: {_listing(specs)}")
     widths = [x.shape[d] for x in specs]
     if rule.sizes is not None:
         declared = as_ints(evaluate(rule.sizes, s), "sizes")

@@ -60,7 +60,7 @@ def _captures(
 ) -> Callable[[re.Match[str]], dict[str, Any]]:
     """The captures of a match of the combined regex, read from the groups ``numbers``
     (``{n:int}`` ones as ints): the hot path of routing, once per tensor, so the common
-    counts of captures (none, one, two) are read without a loop."""
+    counts of captures (none to three) are read without a loop."""
     names = [n for n, _k in caps]
     ints = [kind == "int" for _n, kind in caps]
     if not caps:
@@ -81,6 +81,19 @@ def _captures(
             return {n0: int(a) if i0 else a, n1: int(b) if i1 else b}
 
         return two
+
+    if len(caps) == 3:  # a layer, an expert and a projection: every expert of a MoE
+        (n0, n1, n2), (g0, g1, g2), (i0, i1, i2) = names, numbers, ints
+
+        def three(m: re.Match[str]) -> dict[str, Any]:
+            a, b, c = m.group(g0, g1, g2)
+            return {
+                n0: int(a) if i0 else a,
+                n1: int(b) if i1 else b,
+                n2: int(c) if i2 else c,
+            }
+
+        return three
 
     as_ints = [n for n, i in zip(names, ints, strict=True) if i]
 

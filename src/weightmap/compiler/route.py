@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from weightmap.compiler.ops import Match
@@ -113,7 +114,10 @@ class WorkingSet:
     alive: dict[str, Item] = field(default_factory=dict)
     buckets: list[list[tuple[Item, Match]]] = field(default_factory=list)
     final: list[Item] = field(default_factory=list)
-    taken: dict[str, _Taken] = field(default_factory=dict)
+    # Who took which names, rule by rule: (the rule, the names it took, what each became).
+    # Read only to explain a pattern that matched nothing, so kept as each rule's lists and
+    # made into a dict when asked (``taken``): a stack takes every expert of a checkpoint.
+    history: list[tuple[A.Loc, Sequence[str], Sequence[str]]] = field(default_factory=list)
     failed_filters: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -214,7 +218,19 @@ class WorkingSet:
 
     def record(self, name: str, rule: A.Loc, became: str) -> None:
         """Remember that ``rule`` took ``name`` and made ``became`` of it ("" for nothing)."""
-        self.taken[name] = (rule, became)
+        self.history.append((rule, (name,), (became,)))
+
+    def record_all(self, rule: A.Loc, names: Sequence[str], became: Sequence[str]) -> None:
+        """``record`` for many names at once: ``became[i]`` is what ``names[i]`` became."""
+        self.history.append((rule, names, became))
+
+    @property
+    def taken(self) -> dict[str, _Taken]:
+        """Each name a rule took: the last rule that took it, and what it became."""
+        found: dict[str, _Taken] = {}
+        for rule, names, became in self.history:
+            found.update(zip(names, zip(repeat(rule), became), strict=False))  # (repeat: endless)
+        return found
 
     def put(self, item: Item, r: int) -> None:
         """Add rule ``r``'s output; it continues to the rules below ``r``."""
@@ -228,15 +244,16 @@ class WorkingSet:
 
     def explain_nothing(self, pattern: A.Pattern) -> str | None:
         """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
+        taken = self.taken
         if pattern.is_literal:
-            hit = self.taken.get(pattern.text)
+            hit = taken.get(pattern.text)
             names = [pattern.text] if hit is not None else []
         else:
             rx = compile_pattern(pattern)
-            names = [n for n in self.taken if rx.fullmatch(n)][:1]
+            names = [n for n in taken if rx.fullmatch(n)][:1]
         if not names:
             return None
-        rule, became = self.taken[names[0]]
+        rule, became = taken[names[0]]
         what = "dropped it" if not became else f"made it `{became}`"
         return f"`{names[0]}` was taken by the rule at {rule}, which {what}"
 
