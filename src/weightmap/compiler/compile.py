@@ -10,12 +10,13 @@ Problems are collected all the way and raised together as one :class:`CompileErr
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 from weightmap.compiler.arith import VALUE_OPS, build_value
 from weightmap.compiler.bulk import bulk_renames
@@ -44,6 +45,7 @@ from weightmap.plan.plan import Dropped, OutputTensor, Plan
 __all__ = ["compile_plan"]
 
 _ORDER = operator.attrgetter("order")
+_IS_ORDER = functools.partial(operator.is_not, None)
 _NAME = operator.attrgetter("name")
 _NODE = operator.attrgetter("node")
 _SPEC_NAME = operator.attrgetter("spec.name")
@@ -394,25 +396,34 @@ class _Step:
         if taken:
             items, matches = zip(*taken, strict=True)
         node_ids = list(map(id, map(_NODE, matches)))
-        get = dict(zip(node_ids, items, strict=True)).get
-        made: dict[int, str] = {}  # id of a member's node -> the output made of it
+        order_of = dict(zip(node_ids, map(_ORDER, items), strict=True)).get
+        emitted: list[tuple[str, Node]] = []
 
         def emit(name: str, node: Node) -> None:
             # By C calls alone, not a step per member: a stack takes every expert of a layer.
-            ids = list(map(id, node.children()))
-            made.update(dict.fromkeys(ids, name))
-            order = min(map(_ORDER, filter(None, map(get, ids))), default=0)
+            # (A member under a node of its own, a cast in add/mul, is no direct child.)
+            found = filter(_IS_ORDER, map(order_of, map(id, node.children())))
+            orders = cast("Iterator[int]", found)
             spec = TensorSpec(name, node.dtype, node.shape)
-            self.ws.put(Item(spec, node, order, self.rule.loc), self.r)
+            self.ws.put(Item(spec, node, min(orders, default=0), self.rule.loc), self.r)
+            emitted.append((name, node))
 
         try:
             members = members_of(self.rule, set(self.scope.params))
             build_group(self.rule, members, list(matches), self.scope, emit, self.report)
         except LocatedProblem as p:  # the member scheme, or an output name's template
             self.report(p.loc, p.message)
-        # ws.record for each member: the output made of it ("" for none).
-        became = list(map(made.get, node_ids, repeat("")))
-        self.ws.record_all(self.rule.loc, list(map(_SPEC_NAME, items)), became)
+        loc = self.rule.loc
+
+        def history() -> tuple[A.Loc, list[str], list[str]]:
+            """Each member's name and the output made of it ("" for none)."""
+            made: dict[int, str] = {}  # id of a member's node -> the output made of it
+            for name, node in emitted:
+                made.update(dict.fromkeys(map(id, node.children()), name))
+            became = list(map(made.get, node_ids, repeat("")))
+            return loc, list(map(_SPEC_NAME, items)), became
+
+        self.ws.record_later(history)
 
 
 def _nothing(

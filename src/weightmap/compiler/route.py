@@ -103,6 +103,8 @@ def _filter(r: int, rule: A.Rule, scope: Scope) -> Filter | None:
 # Who took a name from the working set (the rule's location) and what it became ("" for
 # nothing), for 'matches nothing': a plain tuple, as one is made per tensor and rule.
 _Taken = tuple[A.Loc, str]
+# A rule's names taken, and what each became (see WorkingSet.history).
+_History = tuple[A.Loc, Sequence[str], Sequence[str]]
 
 
 @dataclass
@@ -114,10 +116,11 @@ class WorkingSet:
     alive: dict[str, Item] = field(default_factory=dict)
     buckets: list[list[tuple[Item, Match]]] = field(default_factory=list)
     final: list[Item] = field(default_factory=list)
-    # Who took which names, rule by rule: (the rule, the names it took, what each became).
-    # Read only to explain a pattern that matched nothing, so kept as each rule's lists and
-    # made into a dict when asked (``taken``): a stack takes every expert of a checkpoint.
-    history: list[tuple[A.Loc, Sequence[str], Sequence[str]]] = field(default_factory=list)
+    # Who took which names, rule by rule: (the rule, the names it took, what each became), or
+    # what makes that when asked. Read only to explain a pattern that matched nothing, so kept
+    # as each rule's lists and made into a dict when asked (``taken``): a stack takes every
+    # expert of a checkpoint.
+    history: list[_History | Callable[[], _History]] = field(default_factory=list)
     failed_filters: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -224,11 +227,16 @@ class WorkingSet:
         """``record`` for many names at once: ``became[i]`` is what ``names[i]`` became."""
         self.history.append((rule, names, became))
 
+    def record_later(self, made: Callable[[], _History]) -> None:
+        """``record_all`` of what ``made()`` returns, called only if a message needs it."""
+        self.history.append(made)
+
     @property
     def taken(self) -> dict[str, _Taken]:
         """Each name a rule took: the last rule that took it, and what it became."""
         found: dict[str, _Taken] = {}
-        for rule, names, became in self.history:
+        for entry in self.history:
+            rule, names, became = entry() if callable(entry) else entry
             found.update(zip(names, zip(repeat(rule), became), strict=False))  # (repeat: endless)
         return found
 
