@@ -35,7 +35,8 @@ def write_section(heading: str, text: str, doc_path: Path = DOC) -> None:
     doc = doc_path.read_text() if doc_path.exists() else "# Benchmarks\n"
     pattern = _pattern(heading)
     if pattern.search(doc):
-        doc = pattern.sub(lambda m: text.rstrip("\n"), doc, count=1)
+        # (The section ends where "\n## " begins: its own blank line goes back in.)
+        doc = pattern.sub(lambda m: text.rstrip("\n") + "\n", doc, count=1)
     else:
         doc = doc.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     doc_path.parent.mkdir(parents=True, exist_ok=True)
