@@ -1076,6 +1076,10 @@ def test_control_characters_from_a_checkpoint_are_escaped_on_the_terminal(
     failed = _run("convert", str(root), str(tmp_path / "out"), "--mapping", str(rules))
     assert failed.returncode == 2
     assert "\x1b" not in failed.stderr and "a\\x1b]52" in failed.stderr
+    # JSON output escapes them itself (\\u001b), and stays JSON through the escaping.
+    save_file({"d\x7fe\x85l": np.zeros(1, np.float32)}, str(root / "model.safetensors"))
+    doc = _run("inspect", "--json", str(root))
+    assert json.loads(doc.stdout)["tensors"][0]["name"] == "d\x7fe\x85l"
 
 
 def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> None:
