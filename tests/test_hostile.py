@@ -1338,6 +1338,44 @@ def test_messages_quoting_other_libraries_carry_no_credentials() -> None:
     assert "[hub]" in str(err)
 
 
+def test_the_token_in_use_is_never_quoted_whatever_its_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token with no hf_ prefix (an organization's, a mirror's) quoted by another library's
+    message is hidden too: the value in use is known, whatever it looks like."""
+    from weightmap.format.hub import HubRepo
+    from weightmap.format.text import redacted
+
+    assert redacted("a Zq9-token-Zq9 b", secrets=["Zq9-token-Zq9"]) == "a *** b"
+    assert redacted("abc", secrets=["", "b"]) == "abc"  # (too short to be a secret)
+    monkeypatch.setenv("HF_TOKEN", "org-Zq9x7Kp2Lm4")
+
+    class ServerError(Exception):
+        pass
+
+    err = HubRepo("org/name")._translated(ServerError("401 for ?token=org-Zq9x7Kp2Lm4 at /api"))
+    assert "org-Zq9x7Kp2Lm4" not in str(err) and "?token=*** at /api" in str(err)
+
+
+@pytest.mark.parametrize("endpoint", ["huggingface.co", "ftp://mirror", "https://", "http://[::1"])
+def test_a_malformed_hub_endpoint_is_named(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
+    """An HF_ENDPOINT that is no http(s) address is refused, naming the variable and its
+    value (credentials hidden), before any request."""
+    from weightmap.format.hub import HubRepo
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    with pytest.raises(
+        CheckpointError, match=r"HF_ENDPOINT=.*not an http\(s\) address.*\[hub-endpoint\]"
+    ):
+        HubRepo("org/name")._check_endpoint()
+    monkeypatch.setenv("HF_ENDPOINT", "https://alice:s3cr3tpass@mirror.example")
+    HubRepo("org/name")._check_endpoint()  # (an address: the request goes ahead)
+    monkeypatch.setenv("HF_ENDPOINT", "alice:s3cr3tpass@mirror.example")
+    with pytest.raises(CheckpointError) as info:
+        HubRepo("org/name")._check_endpoint()
+    assert "s3cr3tpass" not in str(info.value)
+
+
 def test_inplace_refuses_a_hard_linked_shard(ckpt: Path, tmp_path: Path) -> None:
     """A shard with another name elsewhere (a `cp -al` backup) is one file: an in-place rename
     would change the backup too. Refused before anything is written."""

@@ -16,10 +16,12 @@ gated repository, and files that are not cached while the machine is offline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from weightmap.errors import CheckpointError
 from weightmap.format.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
@@ -135,6 +137,7 @@ class HubRepo:
         }
 
     def _remote_files(self) -> dict[str, int]:
+        self._check_endpoint()
         api = self.hub.HfApi()
         info = api.repo_info(self.repo_id, revision=self.revision)
         self.commit = info.sha
@@ -144,6 +147,38 @@ class HubRepo:
             if size is not None and not hasattr(entry, "tree_id"):
                 out[entry.path] = int(size)
         return out
+
+    def _check_endpoint(self) -> None:
+        """Refuse an ``HF_ENDPOINT`` that is no http(s) address, naming the variable: the
+        request would otherwise fail with a message about a URL the user never typed."""
+        endpoint = os.environ.get("HF_ENDPOINT")
+        if endpoint is None:
+            return
+        try:
+            parts = urlsplit(endpoint)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:  # (a malformed port or IPv6 address)
+            ok = False
+        if not ok:
+            # Whatever stands before an @ may be a user and password, with or without a scheme.
+            shown = endpoint if "@" not in endpoint else "***@" + endpoint.rsplit("@", 1)[1]
+            raise self._fail(
+                f"HF_ENDPOINT={redacted(shown, 120, self._secrets())!r} is not an http(s) "
+                "address: set it to the Hub's (such as https://huggingface.co) or a mirror's, "
+                "or unset it",
+                "hub-endpoint",
+            )
+
+    def _secrets(self) -> list[str]:
+        """The access token in use, wherever huggingface_hub finds it (the variables, or the
+        file that `hf auth login` writes): quoted messages never show it, whatever its form."""
+        found = [os.environ.get(name, "") for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")]
+        get_token = getattr(self.hub, "get_token", None)
+        if get_token is not None:
+            # (A token file that cannot be read: no token to hide.)
+            with contextlib.suppress(Exception):
+                found.append(get_token() or "")
+        return found
 
     def _connection_problem(self, err: Exception) -> bool:
         errors = self.hub.errors
@@ -168,7 +203,8 @@ class HubRepo:
                 "is no repository on the Hub (or a private one: log in with hf auth login)",
                 "hub-not-found",
             )
-        return self._fail(f"the Hub refused the request ({name}: {redacted(str(err))})", "hub")
+        shown = redacted(str(err), secrets=self._secrets())
+        return self._fail(f"the Hub refused the request ({name}: {shown})", "hub")
 
     def fetch(self, names: list[str], *, progress: bool = True) -> Path:
         """The snapshot folder, holding at least ``names`` (downloaded where missing)."""

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterable
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -264,15 +265,22 @@ def strict_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
 # (Up to the last @ before the path: a password may hold a raw @, as URL parsers split there.)
 _URL_USERINFO = re.compile(r"(?<=//)[^/\s]*@")
 _HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
+_MIN_SECRET = 6
 
 
-def redacted(text: str, limit: int = 300) -> str:
+def redacted(text: str, limit: int = 300, secrets: Iterable[str] = ()) -> str:
     """Another library's message made fit for ours: its first line (our errors are one line),
-    credentials in URLs and Hugging Face tokens replaced by ``***``, at most ``limit``
-    characters. Such messages quote request URLs, which may carry a user and password (an
-    ``HF_ENDPOINT`` or proxy set so), and end up in logs."""
+    credentials in URLs, Hugging Face tokens and each of ``secrets`` (the token in use, in
+    whatever form it has) replaced by ``***``, at most ``limit`` characters. Such messages
+    quote request URLs, which may carry a user and password (an ``HF_ENDPOINT`` or proxy set
+    so), and end up in logs."""
     lines = text.strip().splitlines()
-    line = _HF_TOKEN.sub("hf_***", _URL_USERINFO.sub("***@", lines[0] if lines else ""))
+    line = lines[0] if lines else ""
+    # Longest first, so that a secret inside another is not left half shown; short values
+    # (an empty variable, a one-letter test value) would blank out ordinary words.
+    for secret in sorted({s for s in secrets if len(s) >= _MIN_SECRET}, key=len, reverse=True):
+        line = line.replace(secret, "***")
+    line = _HF_TOKEN.sub("hf_***", _URL_USERINFO.sub("***@", line))
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
