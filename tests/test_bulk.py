@@ -107,17 +107,20 @@ def _outcome(text: str, specs: list[TensorSpec], one_pass: bool) -> Any:
     return (outputs, plan.dropped, plan.warnings)
 
 
-def _spy(patch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each compile through ``patch`` took the one pass (True) or left it (False)."""
+def _spy(
+    patch: pytest.MonkeyPatch, owner: Any = compile_module, name: str = "bulk_renames"
+) -> list[bool]:
+    """Whether each call of ``bulk.<name>`` (as ``owner`` calls it) through ``patch`` found
+    something (True: the one pass, or the columns, took the plan) or not (False)."""
     taken: list[bool] = []
-    real = bulk.bulk_renames
+    real = getattr(bulk, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         found = real(*args, **kwargs)
         taken.append(found is not None)
         return found
 
-    patch.setattr(compile_module, "bulk_renames", spy)
+    patch.setattr(owner, name, spy)
     return taken
 
 
@@ -175,3 +178,46 @@ def test_names_come_from_the_match_groups_where_every_hole_is_a_capture() -> Non
     quick = bulk._positional(template, {"i": 2, "r": 3})
     assert quick is not None and quick("a.7.x", "7", "x") == "b{.x.7"
     assert bulk._positional(template, {"i": 2}) is None  # `r` is no capture here
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mappings(), inputs())
+def test_columns_are_the_loop(text: str, specs: list[TensorSpec]) -> None:
+    """Where one alternative takes every input, the outputs made column by column are the
+    ones the loop makes input by input."""
+    patch = pytest.MonkeyPatch()
+    taken = _spy(patch, bulk, "_one_alternative")
+    try:
+        columns = _outcome(text, specs, one_pass=True)
+    finally:
+        patch.undo()
+    event(f"columns: {any(taken)}")
+    patch.setattr(bulk, "_one_alternative", lambda *args: None)
+    try:
+        assert columns == _outcome(text, specs, one_pass=True), text
+    finally:
+        patch.undo()
+
+
+def test_columns_take_a_rename_of_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (The property above holds trivially if the columns are never taken.)
+    specs = [TensorSpec(f"model.layers.{i}.w{j}", "BF16", (4, 4)) for i in range(3) for j in (0, 1)]
+    taken = _spy(monkeypatch, bulk, "_one_alternative")
+    cases = {
+        'rename "model.layers.{i:int}.{r*}" -> "layers.{i}.{r}"\n': True,
+        'keep "model.layers.**"\n': True,
+        # Below the rename, a keep of everything: the loop routes each output through it.
+        'rename "model.layers.{i:int}.{r*}" -> "layers.{i}.{r}"\nkeep "**"\n': False,
+        # Two alternatives take the inputs.
+        'rename "model.layers.{i:int}.w0" -> "a.{i}"\n'
+        'rename "model.layers.{i:int}.w1" -> "b.{i}"\n': False,
+    }
+    for body, columns in cases.items():
+        taken.clear()
+        text = "weightmap 1\n" + body
+        outcome = _outcome(text, specs, one_pass=True)
+        assert outcome == _outcome(text, specs, one_pass=False), body
+        assert taken == [columns], body
+    taken.clear()
+    _outcome('weightmap 1\nrename "model.layers.{i:int}.{r*}" -> "l.{i}.{r}"\n', specs, True)
+    assert taken == [True]

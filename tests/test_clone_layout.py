@@ -25,6 +25,7 @@ from weightmap.format.layout import (
     CLONE_BLOCK,
     Extent,
     Origin,
+    WholeOrigins,
     aligned_middle,
     plan_layout,
 )
@@ -253,3 +254,49 @@ def test_one_pass_layout_takes_the_plans_it_is_for() -> None:
     assert layout_module._whole_copies(specs[::-1], origins, 10**9) is None  # not input order
     computed = {**origins, "t1": Origin((0, 100))}
     assert layout_module._whole_copies(specs, computed, 10**9) is None
+
+
+def _columns(specs: list[TensorSpec], origins: dict[str, Origin]) -> WholeOrigins:
+    """The origins as columns, listed as the outputs are (as the executor makes them)."""
+    names = [s.name for s in specs]
+    extents = [origins[n].extents[0] for n in names]  # type: ignore[index]
+    return WholeOrigins(
+        names, [e.file for e in extents], [e.offset for e in extents], [e.length for e in extents]
+    )
+
+
+@given(_whole_copies(), st.sampled_from((None, {"format": "pt"})))
+@settings(max_examples=300, deadline=None)
+def test_columns_lay_out_what_the_one_pass_layout_does(
+    case: tuple[list[TensorSpec], dict[str, Origin], int], metadata: dict[str, str] | None
+) -> None:
+    specs, origins, limit = case
+    columns = _columns(specs, origins)
+    assert dict(columns) == origins  # (read as a mapping, the same origins)
+    found = layout_module._whole_columns(specs, columns, limit)
+    if found is not None:
+        assert found == layout_module._whole_copies(specs, origins, limit)
+    assert plan_layout(specs, limit, metadata, columns) == plan_layout(
+        specs, limit, metadata, origins
+    )
+    reference = plan_layout(specs, limit, metadata, columns, layout="reference")
+    assert reference == plan_layout(specs, limit, metadata, origins, layout="reference")
+
+
+def test_columns_take_the_plans_they_are_for() -> None:
+    # (The property above holds trivially if the columns are never laid out as such.)
+    specs = [TensorSpec(f"t{i}", "F32", (1000 + i,)) for i in range(4)]
+    at, origins = 100, {}
+    for i, s in enumerate(specs):
+        if i == 2:
+            at += 8  # a dropped tensor: two runs of copies
+        origins[s.name] = Origin((0, at), (Extent(0, at, s.nbytes),))
+        at += s.nbytes
+    found = layout_module._whole_columns(specs, _columns(specs, origins), 10**9)
+    assert found is not None and [len(runs or ()) for _, _, runs in found] == [2]
+    assert found == layout_module._whole_copies(specs, origins, 10**9)
+    # Listed in another order than the outputs, or not in input order: not for the columns.
+    assert layout_module._whole_columns(specs[::-1], _columns(specs, origins), 10**9) is None
+    assert layout_module._whole_columns(specs[::-1], _columns(specs[::-1], origins), 10**9) is None
+    # An input file's tensors over the limit take several shards: the one-pass loop's.
+    assert layout_module._whole_columns(specs, _columns(specs, origins), 5000) is None

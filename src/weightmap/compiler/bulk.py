@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat, starmap
+from operator import attrgetter, methodcaller
 
 from weightmap.compiler.ops import tensor_namer
 from weightmap.compiler.route import Router
@@ -78,51 +80,57 @@ def bulk_renames(
     made: list[tuple[str, int]] = []  # (output name, rule) where it differs from the input's
     dropped: list[Dropped] = []
     of_source, of_output = Source.of, OutputTensor.of
-    for spec in inputs:
-        name = spec.name
-        found = fullmatch(name)
-        if found is None:
-            rule_of[name] = count
-            if policy == "keep":
-                append(of_output(spec, of_source(name, spec.dtype, spec.shape), where))
-            elif policy == "drop":
-                dropped.append(Dropped(name=name, origin=where))
-            else:
-                return None  # unmatched inputs are an error: the working set lists them
-            continue
-        k = outer[found.lastindex or 0]
-        r = owners[k][0]
-        rule_of[name] = r
+    taken = _one_alternative(inputs, fullmatch, outer, owners, rules, namers, positional, below)
+    if taken is not None:  # every input to one alternative: by C calls, as the loop would
+        k, outputs = taken
+        rule_of = dict.fromkeys(map(_NAME, inputs), owners[k][0])
         hit[k] = True
-        render = namers[r]
-        if render is None:
-            out = spec
-        else:
-            quick = positional[k]
-            if quick is not None:
-                new = quick(*found.groups())
-            else:
-                try:
-                    new = render(spec, captures[k](found))
-                except LocatedProblem:
-                    return None
-            if new == name:
+    else:
+        for spec in inputs:
+            name = spec.name
+            found = fullmatch(name)
+            if found is None:
+                rule_of[name] = count
+                if policy == "keep":
+                    append(of_output(spec, of_source(name, spec.dtype, spec.shape), where))
+                elif policy == "drop":
+                    dropped.append(Dropped(name=name, origin=where))
+                else:
+                    return None  # unmatched inputs are an error: the working set lists them
+                continue
+            k = outer[found.lastindex or 0]
+            r = owners[k][0]
+            rule_of[name] = r
+            hit[k] = True
+            render = namers[r]
+            if render is None:
                 out = spec
             else:
-                out = spec.named(new)
-                made.append((new, r))
-        origin = rules[r].loc
-        rest = below[r]
-        while rest is not None:
-            again = rest[0](out.name)
-            if again is None:
-                break
-            r, pattern_index = rest[2][rest[1][again.lastindex or 0]]
-            if namers[r] is not None:
-                return None  # renamed twice: the working set's
-            hit[first[r] + pattern_index] = True  # kept as it is, and on to the rules below
+                quick = positional[k]
+                if quick is not None:
+                    new = quick(*found.groups())
+                else:
+                    try:
+                        new = render(spec, captures[k](found))
+                    except LocatedProblem:
+                        return None
+                if new == name:
+                    out = spec
+                else:
+                    out = spec.named(new)
+                    made.append((new, r))
+            origin = rules[r].loc
             rest = below[r]
-        append(of_output(out, of_source(name, spec.dtype, spec.shape), origin))
+            while rest is not None:
+                again = rest[0](out.name)
+                if again is None:
+                    break
+                r, pattern_index = rest[2][rest[1][again.lastindex or 0]]
+                if namers[r] is not None:
+                    return None  # renamed twice: the working set's
+                hit[first[r] + pattern_index] = True  # kept as it is, and on to the rules below
+                rest = below[r]
+            append(of_output(out, of_source(name, spec.dtype, spec.shape), origin))
     if len(rule_of) != len(inputs):
         return None  # a name twice among the inputs: reported by the compiler
     used = {owner for owner, taken in zip(owners, hit, strict=True) if taken}
@@ -138,6 +146,55 @@ def bulk_renames(
         if rule_of.get(new, -1) > r:
             return None
     return outputs, dropped
+
+
+def _one_alternative(
+    inputs: Sequence[TensorSpec],
+    fullmatch: FullMatch,
+    outer: Mapping[int, int],
+    owners: Sequence[Owner],
+    rules: Sequence[A.Rule],
+    namers: Sequence[object],
+    positional: Sequence[Callable[..., str] | None],
+    below: Sequence[tuple[FullMatch, dict[int, int], list[Owner]] | None],
+) -> tuple[int, list[OutputTensor]] | None:
+    """The outputs of the loop in ``bulk_renames`` where one pattern alternative takes every
+    input, made column by column through C calls (the match, its groups, the name made of
+    them, the spec, source and output of each input) with no Python step per tensor, and
+    that alternative; None where it is not so, or where a rule below would take an output
+    (the loop then goes input by input)."""
+    if not inputs:
+        return None
+    names = list(map(_NAME, inputs))
+    found = list(map(fullmatch, names))
+    if None in found:
+        return None
+    alternatives = {outer[last or 0] for last in set(map(_LASTINDEX, found))}
+    if len(alternatives) != 1:
+        return None
+    (k,) = alternatives
+    r = owners[k][0]
+    if namers[r] is None:  # a keep: each output is its input's spec
+        specs = list(inputs)
+    else:
+        quick = positional[k]
+        if quick is None:
+            return None
+        new_names = starmap(quick, map(_GROUPS, found))
+        specs = list(map(TensorSpec.named, inputs, new_names))
+    rest = below[r]
+    if rest is not None and any(map(rest[0], map(_NAME, specs))):
+        return None
+    sources = map(Source.of, names, map(_DTYPE, inputs), map(_SHAPE, inputs))
+    origin = rules[r].loc
+    return k, list(map(OutputTensor.of, specs, sources, repeat(origin)))
+
+
+_NAME = attrgetter("name")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+_LASTINDEX = attrgetter("lastindex")
+_GROUPS = methodcaller("groups")
 
 
 def _positional(template: A.Template, groups: Mapping[str, int]) -> Callable[..., str] | None:

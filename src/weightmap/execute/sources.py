@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from operator import add, attrgetter, itemgetter, sub
 from pathlib import Path
 from typing import cast
 
@@ -17,7 +18,7 @@ from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
 from weightmap.format.gcpause import gc_paused
 from weightmap.format.header import TensorInfo
-from weightmap.format.layout import Extent, Layouts, Origin
+from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
 from weightmap.format.slots import make_tuple
 from weightmap.format.writer import CheckpointWriter
 from weightmap.plan.nodes import Source
@@ -56,7 +57,7 @@ class Sources:
         self,
         plan: Plan,
         ckpt: Checkpoint,
-        origins: dict[str, Origin],
+        origins: Mapping[str, Origin],
         copied: dict[str, list[Segment]] | None = None,
         where: dict[str, tuple[Path, int, int]] | None = None,
     ) -> None:
@@ -113,24 +114,36 @@ def _where(ckpt: Checkpoint) -> dict[str, tuple[Path, int, int]]:
     return where
 
 
-def _whole_origins(plan: Plan, ckpt: Checkpoint) -> dict[str, Origin] | None:
+def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     """The origins of a plan whose every output is one input tensor in full, a byte range of
     its file; None for any other plan."""
-    stored = ckpt.stored()
-    strided = ckpt.strided
-    files = {path: (i, header.data_start) for i, (path, header) in enumerate(ckpt.headers.items())}
-    origins: dict[str, Origin] = {}
-    for out in plan.outputs:
-        node = out.node
-        if type(node) is not Source or node.name in strided:
-            return None
-        path, info = stored[node.name]
-        file, start = files[path]
-        begin = start + info.begin
-        # The named tuples made straight from their fields (format/slots.py).
-        extent = make_tuple(Extent, (file, begin, info.end - info.begin))
-        origins[out.name] = make_tuple(Origin, ((file, begin), (extent,)))
-    return origins
+    # Column by column through C calls (no Python step per tensor): a checkpoint may hold
+    # 100,000 tensors, and a rename of all of them is the commonest plan.
+    outputs = plan.outputs
+    nodes = list(map(_NODE, outputs))
+    if set(map(type, nodes)) != _JUST_SOURCE:
+        return None
+    inputs = list(map(_NAME, nodes))
+    if not ckpt.strided.isdisjoint(inputs):
+        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
+    stored = list(map(ckpt.stored().__getitem__, inputs))
+    headers = ckpt.headers
+    numbers = {path: i for i, path in enumerate(headers)}
+    files = list(map(numbers.__getitem__, map(_FIRST, stored)))
+    infos = list(map(_SECOND, stored))
+    starts = [header.data_start for header in headers.values()]
+    offsets = list(map(add, map(starts.__getitem__, files), map(_BEGIN, infos)))
+    lengths = list(map(sub, map(_END, infos), map(_BEGIN, infos)))
+    return WholeOrigins(list(map(_NAME, outputs)), files, offsets, lengths)
+
+
+_NODE = attrgetter("node")
+_NAME = attrgetter("name")
+_BEGIN = attrgetter("begin")
+_END = attrgetter("end")
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
+_JUST_SOURCE = {Source}
 
 
 def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
