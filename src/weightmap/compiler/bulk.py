@@ -159,10 +159,13 @@ def _one_alternative(
     below: Sequence[tuple[FullMatch, dict[int, int], list[Owner]] | None],
 ) -> tuple[int, list[OutputTensor]] | None:
     """The outputs of the loop in ``bulk_renames`` where one pattern alternative takes every
-    input, made column by column through C calls (the match, its groups, the name made of
-    them, the spec, source and output of each input) with no Python step per tensor, and
-    that alternative; None where it is not so, or where a rule below would take an output
-    (the loop then goes input by input)."""
+    input, and that alternative; None where it is not so, or where a rule below would take an
+    output (the loop then goes input by input).
+
+    Made column by column, each column by one ``map`` (the matches, their groups, the names
+    made of them, then the specs, sources and outputs through their slot-filling
+    constructors): no loop body runs per tensor, where the loop runs a dozen steps for each.
+    """
     if not inputs:
         return None
     names = list(map(_NAME, inputs))
