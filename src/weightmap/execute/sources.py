@@ -21,7 +21,7 @@ from weightmap.format.header import TensorInfo
 from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
 from weightmap.format.slots import make_tuple
 from weightmap.format.writer import CheckpointWriter
-from weightmap.plan.nodes import Source
+from weightmap.plan.nodes import Source, only_sources
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = ["Sources", "plan_writer"]
@@ -120,8 +120,8 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     # Column by column through C calls (no Python step per tensor): a checkpoint may hold
     # 100,000 tensors, and a rename of all of them is the commonest plan.
     outputs = plan.outputs
-    nodes = list(map(_NODE, outputs))
-    if set(map(type, nodes)) != _JUST_SOURCE:
+    nodes = tuple(map(_NODE, outputs))
+    if not only_sources(nodes):
         return None
     inputs = list(map(_NAME, nodes))
     if not ckpt.strided.isdisjoint(inputs):
@@ -143,7 +143,6 @@ _BEGIN = attrgetter("begin")
 _END = attrgetter("end")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
-_JUST_SOURCE = {Source}
 
 
 def _sources(plan: Plan, ckpt: Checkpoint) -> Sources:
