@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,52 @@ def test_damaged_archives_are_refused_with_our_errors(tmp_path: Path) -> None:
                         ckpt.view(name).sum()
         except CheckpointError:
             pass
+
+
+def test_conjugated_and_negated_views_are_written_as_their_values(tmp_path: Path) -> None:
+    # torch keeps conj() and neg() of some tensors as a bit on a view of the same storage:
+    # the bytes in the archive are the values before it, so they are no byte range to copy.
+    src = tmp_path / "src"
+    src.mkdir()
+    complex_values = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    plain = torch.arange(1.0, 5.0)
+    torch.save(
+        {"c": complex_values.conj(), "n": torch._neg_view(plain), "p": plain},
+        src / "pytorch_model.bin",
+    )
+    ckpt = Checkpoint.open(src)
+    assert {"c", "n"} <= ckpt.strided and "p" not in ckpt.strided
+    r = weightmap.remap(src, tmp_path / "out", mapping=KEEP_ALL, verify=True)
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(out["c"], complex_values.conj().resolve_conj())
+    assert torch.equal(out["n"], -plain) and torch.equal(out["p"], plain)
+    assert weightmap.verify(tmp_path / "out", r.plan, source=src) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "rule", "message"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "pickle", "is not a dense tensor (torch.sparse_coo)"),
+        (lambda: torch.eye(3).to_sparse_csr(), "pickle", "is not a dense tensor"),
+        (
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            "pickle",
+            "is a nested tensor",
+        ),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensors_without_plain_storage_are_refused(
+    tmp_path: Path, value: Callable[[], torch.Tensor], rule: str, message: str
+) -> None:
+    torch.save({"w": value()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(tmp_path)
+    assert info.value.rule == rule and message in str(info.value)
+
+
+def test_names_that_are_no_utf8_are_refused(tmp_path: Path) -> None:
+    torch.save({"\ud800x": torch.ones(2), "good": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(tmp_path)
+    assert info.value.rule == "header-utf8" and "lone surrogate" in str(info.value)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from weightmap.errors import CheckpointError
 from weightmap.format.dtypes import DTYPES
 from weightmap.format.header import Header, TensorInfo
+from weightmap.format.text import is_utf8
 
 if TYPE_CHECKING:
     import torch
@@ -203,6 +204,25 @@ def _state_dict(path: Path, obj: Any) -> dict[str, torch.Tensor]:
     return obj
 
 
+def _check_dense(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse what has no single storage of plain values to read: sparse and nested tensors
+    and tensors not in CPU memory (asking their storage raises torch's own errors); and
+    names that cannot be written as UTF-8 (a lone surrogate), as a safetensors header's are."""
+    import torch
+
+    for name, t in tensors.items():
+        if not is_utf8(name):
+            raise _fail(path, f"tensor name {name!r} holds a lone surrogate escape", "header-utf8")
+        if t.is_nested:
+            raise _fail(path, f"tensor {name!r} is a nested tensor; save its components as tensors")
+        if t.layout != torch.strided or t.device.type != "cpu":
+            raise _fail(
+                path,
+                f"tensor {name!r} is not a dense tensor ({t.layout}); save it dense "
+                "(tensor.to_dense()) to convert it",
+            )
+
+
 def _storage_offsets(
     tensors: Mapping[str, torch.Tensor], members: dict[str, tuple[int, int]]
 ) -> dict[int, int] | None:
@@ -239,22 +259,30 @@ def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, t
     tensors = _state_dict(p, _load(p))
     if byteorder not in (None, b"little"):
         raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
-    import torch
-
     names = _torch_dtypes()
+    _check_dense(p, tensors)
     offsets = _storage_offsets(tensors, members)
     infos: dict[str, TensorInfo] = {}
     strided = set()
     for name, t in tensors.items():
-        if t.layout != torch.strided or t.device.type != "cpu":
-            raise _fail(p, f"tensor {name!r} is not a dense tensor ({t.layout})")
+        resolved = t.is_conj() or t.is_neg()
+        if resolved:
+            # A lazily conjugated or negated view: its storage holds the values before the
+            # conjugation or negation, so its bytes are not its values. Resolved here (a copy
+            # in memory, of such rare tensors alone) and read as a view, never as a range.
+            t = tensors[name] = t.resolve_conj().resolve_neg()
         dtype = names.get(t.dtype)
         if dtype is None:
             raise _fail(p, f"tensor {name!r} is {t.dtype}, which safetensors has no name for")
         size = int(t.numel()) * t.element_size()
         storage = t.untyped_storage()
         begin = int(t.storage_offset()) * t.element_size()
-        if offsets is not None and storage.data_ptr() in offsets and t.is_contiguous():
+        if (
+            not resolved
+            and offsets is not None
+            and storage.data_ptr() in offsets
+            and t.is_contiguous()
+        ):
             begin += offsets[storage.data_ptr()]
         elif size:
             strided.add(name)
