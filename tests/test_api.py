@@ -314,3 +314,20 @@ def test_load_mapping_takes_a_preset_name() -> None:
         weightmap.invert(weightmap.load_mapping("fp8-quant"))  # as `weightmap invert fp8-quant`
     with pytest.raises(weightmap.MappingSyntaxError):
         weightmap.load_mapping("no-such-preset")
+
+
+KEEP = "weightmap 1\nunmatched keep\n"
+
+
+@pytest.mark.parametrize("params", [[1], "p=1", 3])
+def test_params_that_are_no_mapping_are_a_mapping_error(
+    ckpt: Path, tmp_path: Path, params: object
+) -> None:
+    for call in (
+        lambda: weightmap.compile(ckpt, mapping=KEEP, params=params),  # type: ignore[arg-type]
+        lambda: weightmap.remap(ckpt, tmp_path / "o", mapping=KEEP, params=params),  # type: ignore[arg-type]
+        lambda: list(weightmap.iter_tensors(ckpt, mapping=KEEP, params=params)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(MappingError, match="params must be a dict of name to value"):
+            call()
+    assert not (tmp_path / "o").exists()

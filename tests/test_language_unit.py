@@ -231,3 +231,26 @@ def test_odd_digit_names_are_reported_not_crashed_on(names: list[str]) -> None:
 def test_an_integer_capture_takes_up_to_1024_digits() -> None:
     m = load_mapping('weightmap 1\nrename "a.{n:int}" -> "{n}"\n')
     assert compile_plan(m, [T("a." + "9" * 1024, "F32", (1,))]).outputs[0].name == "9" * 1024
+
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_several_tensors_added_or_multiplied_need_an_output_name(op: str) -> None:
+    with pytest.raises(MappingSyntaxError) as info:
+        load_mapping(f'weightmap 1\n{op} "a.weight", "b.weight"\n', name="t.wm")
+    assert f"`{op}` of 2 tensors needs an output name" in str(info.value)
+    assert f'{op} "a.weight", "b.weight" -> "name"' in str(info.value)
+
+
+def test_incomplete_groups_are_said_once_with_their_keys() -> None:
+    inputs = [T(f"l.{i}.q", "F32", (2,)) for i in range(3)] + [T("l.0.k", "F32", (2,))]
+    with pytest.raises(MappingError) as info:
+        compile_text('merge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
+    assert 'group i={"1","2"} is incomplete: missing pattern 2 (2 groups)' in str(info.value)
+
+
+@pytest.mark.parametrize("sizes", ["[0, 4]", "[-1, 5]"])
+def test_split_sizes_must_be_positive(sizes: str) -> None:
+    with pytest.raises(MappingError) as info:
+        compile_text(f'split "a.weight" dim 0 sizes {sizes} -> "x", "y"\nkeep "b.weight"\n')
+    assert f"split sizes {sizes} must all be positive" in str(info.value)
+    assert "do not add up" not in str(info.value)

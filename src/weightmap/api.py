@@ -16,6 +16,7 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.errors import (
     CheckpointError,
     ExecutionError,
+    MappingError,
     OutputExistsError,
     WeightmapError,
 )
@@ -107,6 +108,16 @@ class Result:
         )
 
 
+def _params(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``params`` as the compiler takes it: a dict; a MappingError (not a TypeError from
+    ``dict()``) for anything that is no mapping of names to values."""
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise MappingError(f"params must be a dict of name to value, not {type(params).__name__}")
+    return dict(params)
+
+
 def presets() -> list[str]:
     """Names of the presets shipped in ``mappings/``."""
     return list(preset_names())
@@ -155,14 +166,12 @@ def compile(
         src = _Source(checkpoint.root, True)
         files = src.side_files(checkpoint, rules, side_files, None)
         return compile_plan(
-            rules, checkpoint.specs(), checkpoint.config, params=dict(params or {}), files=files
+            rules, checkpoint.specs(), checkpoint.config, params=_params(params), files=files
         )
     src = _Source.resolve(checkpoint, rules.config_file, progress=False)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
         files = src.side_files(ckpt, rules, side_files, None)
-        return compile_plan(
-            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
-        )
+        return compile_plan(rules, ckpt.specs(), ckpt.config, params=_params(params), files=files)
 
 
 def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
@@ -334,7 +343,7 @@ def remap(
                 # about entries a copy would skip, since nothing is copied.
                 carried = FolderFiles(carried.files)
             plan = compile_plan(
-                rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=carried
+                rules, ckpt.specs(), ckpt.config, params=_params(params), files=carried
             )
             if inplace:
                 # The folder's other files stay where they are: a files block that would change
@@ -698,9 +707,7 @@ def iter_tensors(
         # With the side files `remap` lists, though none is copied: `exists file` must see
         # them, or a mapping that tests for one would yield other tensors than it writes.
         files = src.side_files(ckpt, rules, True, None)
-        plan = compile_plan(
-            rules, ckpt.specs(), ckpt.config, params=dict(params or {}), files=files
-        )
+        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=_params(params), files=files)
         check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()

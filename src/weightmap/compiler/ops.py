@@ -137,7 +137,12 @@ def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node
             sizes = as_ints(evaluate(rule.sizes, s), "sizes")  # type: ignore[arg-type]
             if len(sizes) != len(rule.outputs):
                 raise RuleProblem(f"{len(sizes)} sizes for {len(rule.outputs)} outputs")
-            if any(x <= 0 for x in sizes) or sum(sizes) != spec.shape[d]:
+            if any(x <= 0 for x in sizes):
+                raise RuleProblem(
+                    f"split sizes {sizes} must all be positive: an output of size 0 or less "
+                    "holds nothing (drop it from the outputs)"
+                )
+            if sum(sizes) != spec.shape[d]:
                 raise RuleProblem(
                     f"split sizes {sizes} (sum {sum(sizes)}) do not add up to dim {d} of {name}"
                 )

@@ -23,7 +23,8 @@ from weightmap.language import ast as A
 __all__ = ["PER_RULE_LIMIT", "Problems"]
 
 PER_RULE_LIMIT = 20  # past this, one rule's problems are summarised
-_GROUP = re.compile(r"group (?P<key>[^:]+): (?P<rest>.*)", re.S)
+# "group K: why" and "group K is incomplete: why" (group.py), K the group's captures.
+_GROUP = re.compile(r"group (?P<key>[^:]+?)(?P<how> is incomplete)?: (?P<rest>.*)", re.S)
 _PLACE = "\0"
 
 
@@ -69,7 +70,8 @@ class Problems:
         for loc, message, tensor in self.raw:
             about: str | None = tensor
             if (m := _GROUP.fullmatch(message)) is not None:
-                message, about = "group " + _PLACE + ": " + m["rest"], m["key"]
+                how = m["how"] or ""
+                message, about = f"group {_PLACE}{how}: {m['rest']}", m["key"]
             elif tensor is not None and f"`{tensor}`" in message:
                 message = message.replace(f"`{tensor}`", f"`{_PLACE}`")
             groups.setdefault((loc, message), []).append(about)

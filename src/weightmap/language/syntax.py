@@ -414,6 +414,14 @@ class _Builder:
         n_in = len(strings) if op in ("keep", "drop") else _count_input_strings(t)
         patterns = tuple(self.pattern(s) for s in strings[:n_in])
         outputs = tuple(self.template(s) for s in strings[n_in:])
+        if op in ("add", "mul") and n_in > 1 and not outputs:
+            # One tensor may keep its name; the sum or product of several has none to keep.
+            syntax_error(
+                self.text,
+                loc,
+                f"`{op}` of {n_in} tensors needs an output name",
+                f'e.g. {op} {", ".join(strings[:n_in])} -> "name"',
+            )
         rule_op: A.RuleOp = op  # type: ignore[assignment]  # the grammar's rule names
         return A.Rule(
             op=rule_op, optional=optional, patterns=patterns, outputs=outputs, loc=loc, **fields
