@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from weightmap.cli import _parser
+
 EXE = shutil.which("weightmap")
 
 
@@ -77,6 +79,25 @@ def test_debug_shows_traceback(tmp_path: Path, env_debug: bool) -> None:
         r = run("--debug", *args)
     assert r.returncode != 0
     assert "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "debug"),
+    [
+        (["inspect", "x"], False),
+        (["--debug", "inspect", "x"], True),
+        (["inspect", "x", "--debug"], True),  # after the command, as people type it
+        (["convert", "x", "y", "--preset", "p", "--debug"], True),
+    ],
+)
+def test_debug_goes_before_or_after_the_command(argv: list[str], debug: bool) -> None:
+    assert _parser().parse_args(argv).debug is debug
+
+
+def test_plan_help_says_it_writes_nothing() -> None:
+    r = run("plan", "--help")
+    assert r.returncode == 0
+    assert "planned as carried" in r.stdout and "into DST" not in r.stdout
 
 
 def test_usage_error_exit_code() -> None:

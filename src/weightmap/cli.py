@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -231,7 +232,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         print(f"config {line}")
     differing = len(d.only_a) + len(d.only_b) + len(d.changed) + len(d.bytes_differ)
     print(
-        f"{d.equal} tensors identical, {differing} differ"
+        f"{d.equal} tensor{'' if d.equal == 1 else 's'} identical, {differing} differ"
         + (f", {len(d.config)} config difference(s)" if d.config else "")
     )
     return 0 if d.same else 1
@@ -346,12 +347,13 @@ _SRC_HELP = (
 _MAPPING_HELP = "a mapping file, or a preset name (see `weightmap presets`)"
 
 
-def _side_files_arg(p: argparse.ArgumentParser) -> None:
+def _side_files_arg(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
+    carried = "carried into DST" if writes else "planned as carried into the output"
     p.add_argument(
         "--no-side-files",
         action="store_true",
-        help="write the weights and config.json only; by default the folder's other files "
-        "(tokenizer, generation config, README...) are carried into DST",
+        help=f"{'write' if writes else 'plan'} the weights and config.json only; by default the "
+        f"folder's other files (tokenizer, generation config, README...) are {carried}",
     )
 
 
@@ -359,13 +361,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
     )
-    parser.add_argument(
-        "--debug", action="store_true", help="show the traceback of an error (or WEIGHTMAP_DEBUG=1)"
-    )
+    debug_help = "show the traceback of an error (or WEIGHTMAP_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # --debug after the command too (`weightmap inspect X --debug`), as people type it: each
+    # command takes it, and SUPPRESS leaves the top-level value alone where it is not given.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    add_parser = partial(sub.add_parser, parents=[common])
 
-    p = sub.add_parser("convert", help="convert a checkpoint with a preset or a mapping")
+    p = add_parser("convert", help="convert a checkpoint with a preset or a mapping")
     p.add_argument("src", help=_SRC_HELP)
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
@@ -402,28 +408,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("plan", help="show what a conversion would do, writing nothing")
+    p = add_parser("plan", help="show what a conversion would do, writing nothing")
     p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
-    _side_files_arg(p)
+    _side_files_arg(p, writes=False)
     p.set_defaults(func=_cmd_plan)
 
-    p = sub.add_parser("inspect", help="list a checkpoint's tensors")
+    p = add_parser("inspect", help="list a checkpoint's tensors")
     p.add_argument("checkpoint", help=_SRC_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
+    p = add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
     p.add_argument("a", help="the first checkpoint (" + _SRC_HELP + ")")
     p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
 
-    p = sub.add_parser("presets", help="list presets, or show one")
+    p = add_parser("presets", help="list presets, or show one")
     p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.set_defaults(func=_cmd_presets)
 
-    p = sub.add_parser("check", help="parse a mapping, and compile it against a checkpoint")
+    p = add_parser("check", help="parse a mapping, and compile it against a checkpoint")
     p.add_argument("mapping", help=_MAPPING_HELP)
     p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
     p.add_argument(
@@ -434,11 +440,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check)
 
-    p = sub.add_parser("invert", help="print the inverse of a mapping (file or preset)")
+    p = add_parser("invert", help="print the inverse of a mapping (file or preset)")
     p.add_argument("mapping", help=_MAPPING_HELP)
     p.set_defaults(func=_cmd_invert)
 
-    p = sub.add_parser("clean", help="remove what killed runs left in a folder")
+    p = add_parser("clean", help="remove what killed runs left in a folder")
     p.add_argument(
         "path", help="a checkpoint folder, or the folder an output was being written into"
     )
