@@ -208,6 +208,12 @@ files {
         ),
         ('add "README.md" = "x"', "'README.md' (added) is already a side file; drop it first"),
         ('add "tokenizer" = "x"', "'tokenizer' is both a file and a folder"),
+        # A lone surrogate cannot be written as UTF-8: refused when planning, not after the
+        # tensors are written.
+        ('add "x\\ud800" = "x"', "(added) holds a lone surrogate escape"),
+        ('add "x" = "a\\udfff"', "the value of 'x' holds a lone surrogate, which is not UTF-8"),
+        ('add "x.json" = {"k": "\\ud800"}', "the value of 'x.json' holds a lone surrogate at `k`"),
+        ('rename "README.{e}" -> "R\\ud800.{e}"', "(renamed from 'README.md') holds a lone"),
     ],
 )
 def test_files_block_problems(tmp_path: Path, example: Path, files: str, message: str) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.format.sidefiles import FileSpec, bad_file_name
-from weightmap.format.text import json_problem
+from weightmap.format.text import is_utf8, json_problem
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
 from weightmap.language.values import EvalError, Scope
@@ -106,6 +106,15 @@ class _Files:
         except EvalError as err:
             self.report(err.loc, err.message)
             return
+        if isinstance(value, str) and not is_utf8(value):
+            # Said when planning, not when the file is written after every tensor (json_problem
+            # says the same of a string inside a JSON value).
+            self.report(
+                rule.loc,
+                f"files: the value of {rule.name[:80]!r} holds a lone surrogate, which is not "
+                "UTF-8",
+            )
+            return
         if isinstance(value, str):
             text = value
         elif (why := json_problem(value)) is not None:
@@ -113,11 +122,11 @@ class _Files:
             return
         else:
             text = json.dumps(value, indent=2, ensure_ascii=False) + "\n"
-        size = len(text.encode("utf-8", "surrogatepass"))
+        size = len(text.encode("utf-8"))
         self.put(rule, rule.name, _Entry(None, size, text, rule.loc), "added")
 
     def put(self, rule: A.FileRule, name: str, entry: _Entry, how: str) -> None:
-        why = bad_file_name(name)
+        why = bad_file_name(name) if is_utf8(name) else "holds a lone surrogate escape"
         if why is not None:
             self.report(rule.loc, f"files: side file name {name[:80]!r} ({how}) {why}")
         elif name in self.set:
