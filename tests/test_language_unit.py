@@ -254,3 +254,12 @@ def test_split_sizes_must_be_positive(sizes: str) -> None:
         compile_text(f'split "a.weight" dim 0 sizes {sizes} -> "x", "y"\nkeep "b.weight"\n')
     assert f"split sizes {sizes} must all be positive" in str(info.value)
     assert "do not add up" not in str(info.value)
+
+
+def test_several_patterns_output_must_use_every_capture_even_with_one_group() -> None:
+    inputs = [T("l.0.q", "F32", (2,)), T("l.0.k", "F32", (2,))]
+    with pytest.raises(MappingError) as info:
+        compile_text('merge "l.{i}.q", "l.{i}.k" dim 0 -> "qk"\n', inputs)
+    assert "the output leaves out {i}: with several patterns every capture" in str(info.value)
+    plan = compile_text('merge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
+    assert [o.name for o in plan.outputs] == ["l.0.qk"]

@@ -59,7 +59,7 @@ class Members:
         return f"pattern {member + 1}"
 
 
-def _several_patterns(rule: A.Rule, names: list[set[str]]) -> Members:
+def _several_patterns(rule: A.Rule, names: list[set[str]], used: set[str]) -> Members:
     if rule.over is not None:
         raise RuleProblem(
             f"`over {rule.over}`: with several patterns the members are the patterns, in the "
@@ -73,6 +73,14 @@ def _several_patterns(rule: A.Rule, names: list[set[str]]) -> Members:
         )
     if any(n != names[0] for n in names):
         raise RuleProblem("the patterns of a merge/stack must have the same named captures")
+    if unused := names[0] - used:
+        # Refused even where one group exists: the same mapping would collide on the next
+        # checkpoint with two, and the docs promise the rule up front.
+        listing = ", ".join(f"{{{x}}}" for x in sorted(unused))
+        raise RuleProblem(
+            f"the output leaves out {listing}: with several patterns every capture names the "
+            "group, so the output must use them all (or different groups would get one name)"
+        )
     return Members("patterns", None, (), sorted(names[0]))
 
 
@@ -100,7 +108,7 @@ def members_of(rule: A.Rule, params: set[str]) -> Members:
     used = template_names(rule.outputs[0]) - params
     names = [{c.name for c in p.captures} for p in rule.patterns]
     if len(rule.patterns) > 1:
-        return _several_patterns(rule, names)
+        return _several_patterns(rule, names, used)
     free = names[0] - used
     if rule.over is not None:
         if rule.over not in names[0]:
