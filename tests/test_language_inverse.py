@@ -101,3 +101,26 @@ def test_unstack_without_index_name_is_refused_not_crashed() -> None:
     # Found by the grammar-generated property test.
     with pytest.raises(MappingError, match="exactly one index name"):
         invert(load_mapping('weightmap 1\nunstack "a.weight" -> "a.weight"\n'))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'rename "tok.{f}" -> "{f}"\nunmatched keep\n',
+        'rename "tok.{f}" -> "{f}"\nkeep "b"\n',
+        'if true {\n  rename "tok.{f}" -> "{f}"\n}\nunmatched keep\n',
+        'unmatched keep\nfiles {\n  rename "tokenizer/{f}" -> "{f}"\n}\n',
+    ],
+)
+def test_an_output_of_holes_alone_beside_other_outputs_is_refused(text: str) -> None:
+    # Read back, "{f}" would take every other output too: `b` would come back as `tok.b`.
+    with pytest.raises(MappingError, match="is all holes"):
+        invert(load_mapping(f"weightmap 1\n{text}", name="r.wm"))
+
+
+def test_an_output_of_holes_alone_inverts_where_it_is_the_only_rule() -> None:
+    forward = load_mapping('weightmap 1\nrename "model.{rest*}" -> "{rest}"\n', name="f.wm")
+    inputs = [T("model.a.w", "F32", (2,)), T("model.b", "F32", (3,))]
+    plan = compile_plan(forward, inputs, None)
+    back = compile_plan(invert(forward), plan.output_specs(), plan.config)
+    assert _key(back.output_specs()) == _key(inputs)

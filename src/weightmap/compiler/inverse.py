@@ -308,21 +308,63 @@ def _invert_file(r: A.FileRule) -> A.FileRule:
     missing = set(caps) - template_names(r.output)
     if missing:
         raise _Refuse(f"the output drops {{{', '.join(sorted(missing))}}}")
+    if _no_fixed_text(new_p):
+        # The folder's other files are carried as they are: a pattern of holes alone would
+        # take them too when read back.
+        raise _Refuse(
+            f'the output "{r.output.text}" is all holes: read back as a pattern it would take '
+            "every other carried file too; give it a fixed prefix or suffix"
+        )
     return dataclasses.replace(r, patterns=(_file_pattern(new_p),), output=_to_template(p, subst))
 
 
-def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stmt, ...]:
+def _makers(stmts: tuple[A.Stmt, ...]) -> int:
+    """How many statements put tensors in the output: rules and ``unmatched keep``, those in
+    both branches of ``if`` blocks counted (an upper bound is what the check below needs)."""
+    count = 0
+    for st in stmts:
+        if isinstance(st, A.Rule) or (isinstance(st, A.Unmatched) and st.policy == "keep"):
+            count += 1
+        elif isinstance(st, A.If):
+            count += _makers(st.then) + _makers(st.orelse)
+    return count
+
+
+def _no_fixed_text(p: A.Pattern) -> bool:
+    return not any(isinstance(x, str) and x for x in p.parts)
+
+
+def _check_readable(r: A.Rule, others: bool) -> None:
+    """Refuse an inverse rule that reads back with a pattern of holes alone (``"{f}"``, from a
+    forward output ``-> "{f}"``) where other tensors reach the output: the pattern would take
+    them too, and give them names they never had."""
+    if r.op == "keep" or not others:
+        return
+    for p in r.patterns:
+        if _no_fixed_text(p):
+            raise _Refuse(
+                f'its output is all holes ("{p.text}"): read back as a pattern it would take '
+                "every other tensor of the output too; give the output a fixed prefix or suffix"
+            )
+
+
+def _invert_stmts(
+    stmts: tuple[A.Stmt, ...], problems: list[str], others: bool = False
+) -> tuple[A.Stmt, ...]:
     """Each statement inverted, rules and config blocks in reverse order, params first.
 
     Rules apply in order, each to what the rules above it left, so undoing them means undoing
-    the last one first: the inverse of ``A`` then ``B`` is ``B⁻¹`` then ``A⁻¹``.
+    the last one first: the inverse of ``A`` then ``B`` is ``B⁻¹`` then ``A⁻¹``. ``others``:
+    other rules (or ``unmatched keep``) put tensors in the output too (``_check_readable``).
     """
     params: list[A.Stmt] = []
     out: list[A.Stmt] = []
     for st in stmts:
         try:
             if isinstance(st, A.Rule):
-                out.append(_invert_rule(st))
+                back = _invert_rule(st)
+                _check_readable(back, others)
+                out.append(back)
             elif isinstance(st, A.Param):
                 params.append(st)
             elif isinstance(st, A.Unmatched):
@@ -331,7 +373,8 @@ def _invert_stmts(stmts: tuple[A.Stmt, ...], problems: list[str]) -> tuple[A.Stm
                 out.append(st)
             elif isinstance(st, A.If):
                 cond = _subst(st.cond, {}, set())
-                then, orelse = _invert_stmts(st.then, problems), _invert_stmts(st.orelse, problems)
+                then = _invert_stmts(st.then, problems, others)
+                orelse = _invert_stmts(st.orelse, problems, others)
                 out.append(A.If(cond=cond, then=then, orelse=orelse, loc=st.loc))
             elif isinstance(st, A.FilesBlock):
                 files = tuple(_invert_file(x) for x in reversed(st.stmts))
@@ -360,7 +403,7 @@ def _kind(st: A.Stmt) -> str:
 def invert_program(program: A.Program) -> A.Program:
     """The inverse program; MappingError listing every statement that does not invert."""
     problems: list[str] = []
-    stmts = _invert_stmts(program.stmts, problems)
+    stmts = _invert_stmts(program.stmts, problems, _makers(program.stmts) > 1)
     if problems:
         raise MappingError("mapping is not invertible:\n  " + "\n  ".join(problems))
     return A.Program(version=program.version, stmts=stmts, file=program.file)
