@@ -263,3 +263,19 @@ def test_several_patterns_output_must_use_every_capture_even_with_one_group() ->
     assert "the output leaves out {i}: with several patterns every capture" in str(info.value)
     plan = compile_text('merge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
     assert [o.name for o in plan.outputs] == ["l.0.qk"]
+
+
+@pytest.mark.parametrize(
+    ("char", "hint"),
+    [
+        ("\u00a0", "U+00A0 (no-break space) looks like a space"),
+        ("\u200b", "U+200B (zero width space)"),
+        ("\x00", "U+0000 (a control character)"),
+        ("\u2028", "retype it as a line break"),
+    ],
+)
+def test_invisible_characters_are_named_in_the_hint(char: str, hint: str) -> None:
+    # The line shown looks right: the hint is all that tells what is wrong with it.
+    with pytest.raises(MappingSyntaxError) as info:
+        load_mapping(f'weightmap 1\nkeep{char} "a.weight"\n', name="t.wm")
+    assert hint in str(info.value) and "did you mean" not in str(info.value)

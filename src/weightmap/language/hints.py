@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import unicodedata
 from typing import NoReturn, get_args
 
 from lark import Lark
@@ -119,7 +120,27 @@ def _word_hint(text: str, pos: int) -> str | None:
     return None
 
 
+def _invisible_hint(char: str) -> str | None:
+    """A hint for a character that looks like a space or like nothing at all (a no-break
+    space pasted from a web page, a zero-width space, a NUL, a BOM), which no other hint fits:
+    the line it is on looks right."""
+    if len(char) != 1 or char in " \t\n\r":
+        return None
+    kind = unicodedata.category(char)
+    if kind not in ("Zs", "Zl", "Zp", "Cf", "Cc"):
+        return None
+    name = unicodedata.name(char, "a control character")
+    plain = "a line break" if kind in ("Zl", "Zp") else "a plain space"
+    return (
+        f"U+{ord(char):04X} ({name.lower()}) looks like a space or like nothing, but is not "
+        f"one the language reads: delete it, or retype it as {plain}"
+    )
+
+
 def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
+    invisible = _invisible_hint(text[pos : pos + 1])
+    if invisible is not None:
+        return invisible
     hint = _word_hint(text, pos)
     if hint is not None:
         return hint
