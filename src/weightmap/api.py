@@ -32,6 +32,7 @@ from weightmap.execute.streaming import (
     execute,
 )
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.fdlimit import make_room
 from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.sidefiles import FolderFiles, list_side_files
@@ -532,6 +533,9 @@ def _write(
                 + "; nothing was committed (the destination was left as it was)"
             )
 
+    # One descriptor per input shard and per output shard, open together (a rename keeps the
+    # input's sharding): hundreds of shards outgrow a soft limit of 1,024.
+    make_room(2 * len(ckpt.files))
     if executor == "local":
         run = execute
     else:
@@ -608,6 +612,7 @@ def _check_output(
     """The tensors and config of ``dest`` against the plan and checksums; its side files
     against the plan and, given ``files_root``, the input's files."""
     with Checkpoint.open(dest) as ckpt, descriptors() as fds:
+        make_room(len(ckpt.files))
         problems = _differences(plan, ckpt, checksums, fds)
     return problems + check_side_files(plan.files, dest, files_root)
 
@@ -712,4 +717,5 @@ def iter_tensors(
     except WeightmapError:
         ckpt.close()
         raise
+    make_room(len(ckpt.files))  # (a view of each input shard stays mapped while yielding)
     return iter_outputs(plan, ckpt)
