@@ -279,3 +279,13 @@ def test_invisible_characters_are_named_in_the_hint(char: str, hint: str) -> Non
     with pytest.raises(MappingSyntaxError) as info:
         load_mapping(f'weightmap 1\nkeep{char} "a.weight"\n', name="t.wm")
     assert hint in str(info.value) and "did you mean" not in str(info.value)
+
+
+def test_a_byte_order_mark_before_the_version_line_is_read_past(tmp_path: Path) -> None:
+    # Some editors start every UTF-8 file they save with one.
+    path = tmp_path / "bom.wm"
+    path.write_bytes(b'\xef\xbb\xbfweightmap 1\nkeep "**"\n')
+    (tmp_path / "outer.wm").write_bytes(b'\xef\xbb\xbfweightmap 1\ninclude "bom.wm"\n')
+    for name in ("bom.wm", "outer.wm"):
+        plan = compile_plan(load_mapping(str(tmp_path / name)), W, None)
+        assert [o.name for o in plan.outputs] == ["a.weight", "b.weight"]

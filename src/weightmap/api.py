@@ -37,7 +37,7 @@ from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
-from weightmap.format.writer import CheckpointWriter
+from weightmap.format.writer import CheckpointWriter, destination_path
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
 from weightmap.plan.nodes import Source
@@ -327,7 +327,8 @@ def remap(
     if inplace:
         _check_inplace_options(verify, executor)
     if out is not None:
-        _check_destination(Path(out))
+        out = destination_path(Path(out))  # (`in/..` refused, a `..` in folders to make taken)
+        _check_destination(out)
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
 

@@ -300,7 +300,10 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise UsageError(f"{folder} is not a folder")
     actions = 0
-    if (folder / JOURNAL_NAME).exists() and recover(folder):
+    journal = folder / JOURNAL_NAME
+    # A link to nothing (or a loop) under the journal's name counts: every command refuses
+    # the checkpoint for it, so clean must say what to do with it (recover refuses it).
+    if (journal.exists() or journal.is_symlink()) and recover(folder):
         print(f"finished an interrupted in-place rewrite of {folder}")
         actions += 1
     failed = 0

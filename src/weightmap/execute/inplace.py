@@ -25,6 +25,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -72,10 +73,24 @@ def _replace_small(path: Path, data: bytes) -> None:
     The temporary file is created, never opened through whatever has its name: a downloaded
     folder may hold links named like our temporaries, pointing at files outside it, and
     ``weightmap clean`` replays a journal found in such a folder.
+
+    A regular file replaced keeps its permission bits: a config.json kept private (0600)
+    must not come back readable by everyone. A new file (or one in place of a link) gets
+    the umask's.
     """
-    tmp = temporary_path(path, "-inplace")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
+        old = os.stat(path, follow_symlinks=False)
+        mode = stat.S_IMODE(old.st_mode) & 0o777 if stat.S_ISREG(old.st_mode) else None
+    except OSError:  # absent: a new file
+        mode = None
+    tmp = temporary_path(path, "-inplace")
+    # Private until its mode is set: never readable by others for a moment, even when the
+    # file it replaces is not.
+    create = 0o666 if mode is None else 0o600
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -212,7 +227,9 @@ def _config_json(root: Path) -> Any:
 def _check_unchanged(ckpt: Checkpoint) -> None:
     """Refuse if the checkpoint differs from when ``ckpt`` was opened (its headers as read)."""
     root = ckpt.root
-    if (root / JOURNAL_NAME).exists():
+    # A link to nothing (or a loop) under the journal's name is a journal too: as
+    # Checkpoint.open says, `clean` is what deals with it.
+    if (root / JOURNAL_NAME).exists() or (root / JOURNAL_NAME).is_symlink():
         raise CheckpointError(
             "an in-place rewrite of this checkpoint was interrupted; run "
             f"`weightmap clean {root}` to finish it first",
@@ -384,7 +401,16 @@ def _check_index(index: str, headers: dict[Path, bytes], journal_path: Path) -> 
 def read_journal(root: Path) -> Journal:
     """Read and validate ``root``'s journal; CheckpointError (rule ``journal``) if it is wrong."""
     journal_path = root / JOURNAL_NAME
-    if journal_path.is_symlink() or not journal_path.is_file():
+    if journal_path.is_symlink():
+        # Never followed (weightmap writes the journal as a file); a link to nothing or a
+        # loop is refused here too, not taken for "no journal", which would leave the
+        # checkpoint refused by every command with nothing to clean.
+        try:
+            target = f" to {os.readlink(journal_path)}"
+        except OSError:
+            target = ""
+        raise _refuse(journal_path, f"it is a symbolic link{target}, not a regular file")
+    if not journal_path.is_file():
         raise _refuse(journal_path, "it is not a regular file")
     try:
         doc = read_json_file(journal_path, "the journal", max_size=_MAX_JOURNAL_BYTES)

@@ -42,12 +42,28 @@ __all__ = [
 TMP_MARKER = ".weightmap-tmp-"
 
 
+# Process ids are C ``pid_t``s, positive 32-bit ints; ``os.getpid()`` never gives another.
+_MAX_PID = 2**31 - 1
+_PID = re.compile(r"[0-9]{1,10}")  # ASCII digits: str.isdigit() takes "²", which int() refuses
+
+
+def _pid(text: str) -> int | None:
+    """The process id a temporary's name carries, or None when ``text`` is none that this
+    module writes (a pid of 0, or beyond ``pid_t``, no process can have)."""
+    if _PID.fullmatch(text) is None:
+        return None
+    pid = int(text)
+    return pid if 0 < pid <= _MAX_PID else None
+
+
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` may be running here: anything but a clear "no such process"
+    counts as running, so that no live conversion's folder is ever taken for stale."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (OSError, OverflowError, ValueError):  # not ours to signal, or no pid here at all
         return True
     return True
 
@@ -92,7 +108,9 @@ def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, 
     and one from another host or another container's pid namespace, whose process cannot be
     checked from here, stay. Names written by earlier versions carry a pid alone
     (``<pid>-<token>``) or with a host alone, and are judged by those; their overwrite
-    leftovers (``old-<token>``) by nothing, they are stale.
+    leftovers (``old-<token>``) by nothing, they are stale. A name whose pid no process can
+    have (not ASCII digits, 0, beyond ``pid_t``) was written by none of these: it is not
+    ours to remove, and stays (named, so that ``clean`` says why).
     """
     prefix = f".{dest_name}{TMP_MARKER}" if dest_name is not None else "."
     here = owner_tag().partition("@")[2]
@@ -112,8 +130,18 @@ def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, 
                 "there"
             )
             found.append((entry, why))
-        elif pid_text.isdigit() and _pid_alive(int(pid_text)):
-            found.append((entry, f"its conversion (process {pid_text}) is still running"))
+        elif pid_text == "old" and not at:
+            found.append((entry, None))  # an overwrite's leftover, before pids were written
+        elif (pid := _pid(pid_text)) is None:
+            # Planted or foreign: removing it would delete what no run of ours made, and
+            # signalling its "pid" would fail (os.kill overflows past a C long).
+            why = (
+                f"its name carries {pid_text[:40]!r}, which is no process id, so no weightmap "
+                "run made it; remove it by hand if it is yours"
+            )
+            found.append((entry, why))
+        elif _pid_alive(pid):
+            found.append((entry, f"its conversion (process {pid}) is still running"))
         else:
             found.append((entry, None))
     return sorted(found, key=lambda item: item[0])
@@ -229,8 +257,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def is_within(child: Path, parent: Path) -> bool:
+    """Whether ``child`` lies in ``parent`` once both are resolved. A path that cannot be
+    resolved (a loop of links: Python before 3.13 raises RuntimeError, later ones OSError)
+    leads nowhere, so it neither holds nor is held by anything."""
     try:
         child.resolve().relative_to(parent.resolve())
-    except ValueError:
+    except (ValueError, RuntimeError, OSError):
         return False
     return True

@@ -7,6 +7,8 @@ kernel) or as a memory-mapped, zero-copy torch view (for transforms).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import mmap
 import os
@@ -26,7 +28,7 @@ from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.lock import folder_lock
 from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle, release_pages
-from weightmap.format.sidefiles import cache_blobs, inside_folder
+from weightmap.format.sidefiles import cache_blobs, inside_folder, resolve_path
 from weightmap.format.text import is_utf8, read_json_file
 
 if TYPE_CHECKING:
@@ -104,10 +106,16 @@ def leaves_folder(root: Path, path: Path) -> Path | None:
 
     A link may point anywhere; it is followed only if it stays in the folder, or, in a hub
     cache's snapshot (or a subfolder of one), leads into that repository's ``blobs/`` folder
-    (the cache is a farm of such links).
+    (the cache is a farm of such links). A loop of links leads nowhere, so nowhere out of
+    the folder: it is refused afterwards as a link to nothing (``dangling-link``).
     """
-    resolved = path.resolve()
-    real_root = root.resolve()
+    try:
+        resolved = resolve_path(path)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        return None
+    real_root = resolve_path(root)
     blobs = cache_blobs(real_root)
     in_cache = blobs is not None and resolved.parent == blobs
     return None if resolved.parent == real_root or in_cache else resolved
@@ -117,8 +125,15 @@ def _refuse_escape(root: Path, path: Path, what: str) -> None:
     """A JSON file of the folder (config, index; a ``config from`` file may sit in a
     subfolder) must not be a link to a file outside it: its text would be read as the
     checkpoint's, and a config is written into the output."""
-    resolved = path.resolve()
-    if not inside_folder(resolved, root.resolve()):
+    try:
+        resolved = resolve_path(path)
+    except OSError as err:  # a loop of links, made since the file was found: nothing to read
+        raise CheckpointError(
+            f"{what} is a link that cannot be followed ({err.strerror}); fix or remove the link",
+            path=path,
+            rule="dangling-link",
+        ) from None
+    if not inside_folder(resolved, resolve_path(root)):
         raise CheckpointError(
             f"{what} is a link that leaves the checkpoint's folder (to {resolved}); copy the "
             "file into the folder if it belongs to this checkpoint",
@@ -199,12 +214,30 @@ def _check_complete(
         )
 
 
+def _broken_link(path: Path) -> str | None:
+    """What is wrong with ``path`` if it is a symbolic link that leads to nothing: a link to
+    a missing file, or a loop of links (``a -> b -> a``, or a link to itself); else None."""
+    try:
+        if not path.is_symlink():
+            return None
+        target = os.readlink(path)
+    except OSError:  # too long a name, or gone since: no link to speak of
+        return None
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"is a symbolic link to {target} that leads back to itself (a loop of links)"
+        if err.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"is a symbolic link to {target}, which does not exist"
+    return None
+
+
 def _refuse_not_file(path: Path, name: str) -> None:
     """Refuse ``path`` if something other than a regular file (or a link to one) is there."""
-    if path.is_symlink() and not path.exists():
+    if (broken := _broken_link(path)) is not None:
         raise CheckpointError(
-            f"{name} is a symbolic link to {os.readlink(path)}, which does not exist; "
-            "fix or remove the link",
+            f"{name} {broken}; fix or remove the link",
             path=path,
             rule="dangling-link",
         )
@@ -291,6 +324,11 @@ class Checkpoint:
         """
         p = Path(path)
         if not p.exists():
+            if (broken := _broken_link(p)) is not None:
+                # Not "does not exist": the name is there, and the link is what to fix.
+                raise CheckpointError(
+                    f"{broken}; fix or remove the link", path=p, rule="dangling-link"
+                )
             raise CheckpointError("does not exist", path=p, rule="missing")
         if not p.is_file() and not p.is_dir():
             raise CheckpointError(
@@ -398,6 +436,11 @@ class Checkpoint:
             if not isinstance(shard, str) or shard not in shard_names:
                 shard_names[shard] = resolve_shard(root, shard, index_path)
         missing = [name for name, p in shard_names.items() if not _is_file(p)]
+        for name in missing:
+            # A folder, FIFO or broken link under the name is no missing shard: said as what
+            # it is (and a FIFO is never opened).
+            with contextlib.suppress(OSError):  # too long a name, say: missing, below
+                _refuse_not_file(shard_names[name], f"shard {name!r}")
         if missing:
             raise CheckpointError(
                 f"index names shard(s) that do not exist: {', '.join(sorted(missing))}",

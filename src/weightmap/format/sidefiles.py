@@ -46,6 +46,7 @@ __all__ = [
     "list_side_files",
     "open_side_file",
     "replaced_reason",
+    "resolve_path",
     "same_bytes",
 ]
 
@@ -135,6 +136,19 @@ def cache_blobs(root: Path) -> Path | None:
     return None
 
 
+def resolve_path(path: Path) -> Path:
+    """``path.resolve()``, with a loop of symbolic links raised as ``OSError(ELOOP)``.
+
+    Python before 3.13 raises ``RuntimeError`` for a loop, even when not strict: a checkpoint
+    folder holding ``a -> b -> a`` would otherwise end a listing with a traceback. Callers
+    catch ``OSError`` and treat a loop as they treat a link to nothing.
+    """
+    try:
+        return path.resolve()
+    except RuntimeError:  # "Symlink loop from ..." (3.11, 3.12)
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+
+
 def inside_folder(resolved: Path, root: Path) -> bool:
     """Whether ``resolved`` (a resolved path) lies in the resolved folder ``root``, or is a
     file of the hub cache blobs its snapshot links to."""
@@ -146,9 +160,9 @@ class _Walk:
     """The state of one listing: what was found, what was skipped and why."""
 
     def __init__(self, root: Path, config_name: str, exclude: Iterable[Path]) -> None:
-        self.root = root.resolve()
+        self.root = resolve_path(root)
         self.config_name = config_name
-        self.exclude = {p.resolve() for p in exclude}
+        self.exclude = {_entry_path(p) for p in exclude}
         self.files: list[FileSpec] = []
         self.skipped: list[str] = []
         self.seen = 0
@@ -182,17 +196,25 @@ class _Walk:
 
     def entry(self, entry: os.DirEntry[str], name: str, depth: int) -> None:
         path = Path(entry.path)
-        if path.resolve() in self.exclude:
+        # The walk descends through the resolved root and real folders only, so ``path`` has
+        # no link before its last part: a link that cannot be resolved is the entry itself.
+        try:
+            real = resolve_path(path)
+        except OSError:
+            real = path
+        if real in self.exclude:
             return
         try:
             link = entry.is_symlink()
             st = os.stat(path) if link else entry.stat(follow_symlinks=False)
-        except OSError:
-            self.skip(name, "it is a link to nothing")
+        except OSError as err:
+            # A loop of links leads nowhere, as a dangling link does: skipped alike.
+            why = "it is a link in a loop of links" if err.errno == errno.ELOOP else None
+            self.skip(name, why or "it is a link to nothing")
             return
-        if link and not inside_folder(path.resolve(), self.root):
-            self.skip(name, f"it is a link that leaves the folder (to {path.resolve()})")
-        elif link and (why := _target_reason(path.resolve(), self.root, self.config_name)):
+        if link and not inside_folder(real, self.root):
+            self.skip(name, f"it is a link that leaves the folder (to {real})")
+        elif link and (why := _target_reason(real, self.root, self.config_name)):
             self.skip(name, why)
         elif stat.S_ISDIR(st.st_mode):
             if link:
@@ -207,6 +229,18 @@ class _Walk:
             self.skip(name[:200], "its name cannot be written")
         else:
             self.files.append(FileSpec(name, st.st_size))
+
+
+def _entry_path(path: Path) -> Path:
+    """Where ``path`` leads, or, for a link that leads nowhere (a loop), the entry itself in
+    its resolved folder: an output folder given as such a link is still left out."""
+    try:
+        return resolve_path(path)
+    except OSError:
+        try:
+            return resolve_path(path.parent) / path.name
+        except OSError:
+            return path.absolute()
 
 
 def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -> str | None:
@@ -270,6 +304,15 @@ def list_side_files(
     return FolderFiles(tuple(walk.files), tuple(walk.skipped))
 
 
+def _changed(name: str, err: OSError, root: Path) -> CheckpointError:
+    return CheckpointError(
+        f"side file {name!r} cannot be opened ({err.strerror}); the folder changed since the "
+        "plan was made: run the conversion again",
+        path=root,
+        rule="changed",
+    )
+
+
 def open_side_file(root: Path, name: str, size: int) -> int:
     """A read-only descriptor of side file ``name``, checked as the listing checked it.
 
@@ -277,9 +320,12 @@ def open_side_file(root: Path, name: str, size: int) -> int:
     elsewhere, anything but a regular file, and a size other than the planned one (rule
     ``changed``: the folder changed since the plan was made).
     """
-    real_root = root.resolve()
-    path = real_root / name
-    resolved = path.resolve()
+    try:
+        real_root = resolve_path(root)
+        path = real_root / name
+        resolved = resolve_path(path)
+    except OSError as err:  # a loop of links now, where the listing found a file
+        raise _changed(name, err, root) from None
     if bad_file_name(name) is not None or not inside_folder(resolved, real_root):
         raise CheckpointError(f"side file {name!r} leaves the folder", path=root, rule="side-file")
     if resolved != path and (why := _target_reason(resolved, real_root)) is not None:
@@ -300,12 +346,7 @@ def open_side_file(root: Path, name: str, size: int) -> int:
                 path=root,
                 rule="side-file",
             ) from None
-        raise CheckpointError(
-            f"side file {name!r} cannot be opened ({err.strerror}); the folder changed since the "
-            "plan was made: run the conversion again",
-            path=root,
-            rule="changed",
-        ) from None
+        raise _changed(name, err, root) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         os.close(fd)
@@ -320,14 +361,17 @@ def open_side_file(root: Path, name: str, size: int) -> int:
 
 def copy_file(src_fd: int, dst: Path, size: int) -> None:
     """Copy ``size`` bytes of ``src_fd`` into the new file ``dst``, in the kernel if possible,
-    and fsync it.
+    and fsync it; ``dst`` gets the source's permission bits.
 
     ``copy_file_range`` moves the bytes inside the kernel (or shares extents on file systems
     that can), so a large side file never passes through memory; where it is unavailable,
     bounded chunks go through user space.
     """
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # Created private, then given the source's permission bits (never setuid, setgid or
+    # sticky): a 0600 secret must not come out world-readable, nor a script lose its exec bit.
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(src_fd).st_mode) & 0o777)
         done = 0
         kernel = hasattr(os, "copy_file_range")
         while done < size:

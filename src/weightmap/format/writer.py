@@ -56,7 +56,7 @@ from weightmap.format.transfer import (
     start_writeback,
 )
 
-__all__ = ["CheckpointWriter", "Piece", "transfer_piece"]
+__all__ = ["CheckpointWriter", "Piece", "destination_path", "transfer_piece"]
 
 # Copies go in pieces of this size: threads share the work, and each piece is handed to the
 # disk as soon as it is written. Clones move no data and go in pieces of up to _CLONE_PIECE.
@@ -77,6 +77,64 @@ class Piece:
     dst: int
     length: int
     clone: bool
+
+
+# The longest file name most filesystems take, in bytes; and what a temporary's name may add
+# beyond the one made now (an in-place rename's suffix).
+_NAME_MAX = 255
+_SUFFIX_ROOM = 16
+
+
+def _check_name_room(dest: Path) -> None:
+    """Refuse a destination name too long to have its temporary beside it (that name adds the
+    writer's pid, host and a token): said now, not as ENAMETOOLONG after the plan is made."""
+    extra = len(temporary_path(dest).name.encode("utf-8", "surrogateescape")) - len(
+        dest.name.encode("utf-8", "surrogateescape")
+    )
+    longest = _NAME_MAX - extra - _SUFFIX_ROOM
+    size = len(dest.name.encode("utf-8", "surrogateescape"))
+    if size > longest:
+        raise ExecutionError(
+            f"{dest}: the destination's name is {size} bytes; weightmap writes the output "
+            f"beside it under a temporary name {extra} bytes longer, and a file name holds at "
+            f"most {_NAME_MAX}: give a name of at most {longest} bytes; nothing was written"
+        )
+
+
+def destination_path(dest: Path) -> Path:
+    """``dest`` as the writer uses it, or an ExecutionError for a name it cannot commit to.
+
+    Refused: a destination whose last part is ``..`` or ``.`` (or ``/``): it names a folder
+    that already holds others, the input perhaps, by a name that no rename can take (EBUSY),
+    and ``in/..`` reads as if it were inside ``in``. Then the folders that do not exist yet
+    are made plain folders by the writer, which the kernel would pass through as written:
+    ``e/y/../z`` with no ``e/y`` is ``e/z``, so the ``..`` is taken lexically there, and no
+    ``e/y`` is left behind. The part that exists is left to the kernel (a link in it is
+    followed, then ``..`` taken from its target).
+    """
+    if dest.name in ("", ".", ".."):
+        try:
+            real = os.path.realpath(dest)  # (never raises for a loop of links, unlike resolve)
+        except (OSError, ValueError):
+            real = os.path.abspath(dest)
+        raise ExecutionError(
+            f"{dest}: a destination ending in `..` or `.` names an existing folder ({real}), "
+            "not an output folder of its own; nothing was written. Give the output folder by "
+            f"its name, e.g. {os.path.join(real, 'converted')}"
+        )
+    _check_name_room(dest)
+    parts = dest.parts
+    for i in range(len(parts)):
+        if not os.path.lexists(Path(*parts[: i + 1])):
+            break
+    else:
+        return dest
+    tail = parts[i:]
+    if ".." not in tail:
+        return dest
+    # normpath collapses only what follows the last existing folder: it has no links.
+    rest = os.path.normpath(os.path.join(*tail))
+    return Path(*parts[:i], rest) if i else Path(rest)
 
 
 class CheckpointWriter:
@@ -104,7 +162,7 @@ class CheckpointWriter:
         inputs: Sequence[str | os.PathLike[str]] = (),
         layout: Layouts = "clone",
     ) -> None:
-        self.dest = Path(dest)
+        self.dest = destination_path(Path(dest))
         if len({s.name for s in specs}) != len(specs):
             counts = Counter(s.name for s in specs)
             dup = sorted(n for n, c in counts.items() if c > 1)
@@ -117,9 +175,12 @@ class CheckpointWriter:
                 )
         if self.dest.is_symlink() and not self.dest.exists() and not overwrite:
             # Refused now, not after converting in full: the commit's rename would refuse it.
+            # A loop of links (a link to itself) leads nowhere either, and is said so.
+            target = os.readlink(self.dest)
+            what = "which does not exist" if _dangling(self.dest) else "a loop of links"
             raise OutputExistsError(
-                f"{self.dest} is a symbolic link (to {os.readlink(self.dest)}, which does not "
-                "exist); remove it, or pass overwrite=True (--overwrite) to replace the link"
+                f"{self.dest} is a symbolic link (to {target}, {what}); remove it, or pass "
+                "overwrite=True (--overwrite) to replace the link"
             )
         if self.dest.exists() and not overwrite:
             raise OutputExistsError(
@@ -477,6 +538,15 @@ class CheckpointWriter:
                 f"at {old}: remove it once it can be (chmod u+w; chattr -i for an immutable "
                 "file)"
             ) from exc
+
+
+def _dangling(link: Path) -> bool:
+    """True when the link ``link`` points at nothing, False when it is in a loop of links."""
+    try:
+        os.stat(link)
+    except OSError as err:
+        return err.errno != errno.ELOOP
+    return False
 
 
 def transfer_piece(src_fd: int, fd: int, piece: Piece, what: str) -> bool:

@@ -7,6 +7,7 @@ in ``.wm`` is a file relative to the including file (or to the working directory
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -107,6 +108,11 @@ def _read_source(path: Path, what: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
+        if err.errno == errno.ELOOP:  # a link to itself, or a ring of links: it names nothing
+            raise MappingError(
+                f"{what}: it is a symbolic link in a loop of links ({err.strerror}); fix or "
+                "remove the link"
+            ) from None
         raise MappingError(f"{what}: {err.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
@@ -127,7 +133,9 @@ def _read_source(path: Path, what: str) -> str:
             f"{what}: larger than {MAX_MAPPING_BYTES:,} bytes (a mapping is at most that)"
         )
     try:
-        return data.decode("utf-8")
+        # utf-8-sig: a byte order mark, which some editors put first in every file they save,
+        # is no part of the text (the file would otherwise not start with `weightmap 1`).
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise MappingError(f"{what}: not UTF-8 text") from None
 
@@ -194,8 +202,14 @@ def _resolve_includes(
         target = st.target
         if "/" in target or target.endswith(PRESET_SUFFIX):
             path = (base or Path.cwd()) / target
-            key = str(path.resolve())
             text = _read_include(path, target, st.loc)
+            try:
+                key = str(path.resolve())
+            except (OSError, RuntimeError):  # made a loop of links since it was read
+                raise MappingError(
+                    f"{st.loc}: cannot include {target!r}: it became a loop of symbolic links "
+                    "while it was read; fix the link"
+                ) from None
             file, sub_base = target, path.parent  # as written: stable in messages
         else:
             key = f"preset:{target}"
