@@ -327,6 +327,48 @@ def test_llama3_config_sizes_are_integers(
     assert "dim" not in config and "multiple_of" not in config
 
 
+_LLAMA31 = {
+    "dim": 2048,
+    "n_layers": 2,
+    "n_heads": 32,
+    "n_kv_heads": 8,
+    "multiple_of": 256,
+    "ffn_dim_multiplier": 1.5,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize(
+    ("scaled", "factor", "positions"),
+    [(None, None, 8192), (False, None, 8192), (True, 8.0, 131072), (True, 32.0, 131072)],
+)
+def test_llama3_config_carries_the_rope_scaling_of_llama31_and_32(
+    tmp_path: Path, scaled: bool | None, factor: float | None, positions: int
+) -> None:
+    # Without rope_scaling transformers runs the unscaled frequencies of a 3.1/3.2 model, and
+    # no error says so; use_scaled_rope itself means nothing to it.
+    params = dict(_LLAMA31) if scaled is None else {**_LLAMA31, "use_scaled_rope": scaled}
+    mapping = example("llama3-config")
+    if factor == 32.0:
+        mapping = mapping.replace("param rope_factor = 8.0", "param rope_factor = 32.0")
+    _, config = _convert(tmp_path, {"x": torch.zeros(1)}, params, mapping)
+    assert config is not None and "use_scaled_rope" not in config
+    assert config["max_position_embeddings"] == positions
+    if factor is None:
+        assert "rope_scaling" not in config
+    else:
+        assert config["rope_scaling"] == {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        assert config["rope_theta"] == 500000.0
+
+
 def test_every_example_is_tested() -> None:
     tested = {
         "llama-meta-to-hf",
