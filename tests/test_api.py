@@ -331,3 +331,25 @@ def test_params_that_are_no_mapping_are_a_mapping_error(
         with pytest.raises(MappingError, match="params must be a dict of name to value"):
             call()
     assert not (tmp_path / "o").exists()
+
+
+def test_iter_tensors_yields_independent_tensors_where_outputs_share_an_input(
+    tmp_path: Path,
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(
+        {"embed": torch.arange(12.0).reshape(4, 3), "qkv": torch.ones(6, 2)},
+        tmp_path / "model.safetensors",
+    )
+    mapping = (
+        'weightmap 1\ncopy "embed" -> "lm_head"\n'
+        'split "qkv" dim 0 sizes [2, 2, 2] -> "q", "k", "v"\nunmatched keep\n'
+    )
+    d = dict(weightmap.iter_tensors(tmp_path, mapping=mapping))
+    assert d["embed"].data_ptr() != d["lm_head"].data_ptr()
+    d["embed"].mul_(2)  # (views are copy-on-write: the file stays as it is)
+    assert torch.equal(d["lm_head"], torch.arange(12.0).reshape(4, 3))
+    # The parts of a split are disjoint: they stay views of the file, not copies.
+    assert d["k"].data_ptr() - d["q"].data_ptr() == d["q"].numel() * 4

@@ -74,7 +74,9 @@ EXECUTORS = ("local", "ray")
 class Result:
     """What :func:`remap` did.
 
-    ``paths`` are the files written (or rewritten in place); empty for a dry run.
+    ``paths`` are the weights files written, then the side files carried or added (in place:
+    the weights files whose headers were rewritten); ``config.json`` and the index, written
+    beside them, are not listed. Empty for a dry run.
     ``bytes_written`` (tensor data, headers aside) is the sum of ``bytes_cloned`` (shared with
     the input by a copy-on-write filesystem: no data moved, no disk space taken; see
     docs/safety.md), ``bytes_copied`` (copied by the kernel) and ``bytes_computed``.
@@ -704,7 +706,10 @@ def iter_tensors(
 
         model.load_weights(weightmap.iter_tensors(path, preset="eagle3-sglang"))
 
-    The whole plan is compiled (and every problem reported) before the first tensor is yielded.
+    The whole plan is compiled (and every problem the compiler can see reported) before the
+    first tensor is yielded; checks of values (an integer cast that overflows, mask positions
+    out of range) raise ``ExecutionError`` when that tensor is reached. Outputs never share
+    memory with each other (a ``copy`` yields a copy).
     """
     rules = resolve_mapping(preset, mapping)
     src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())

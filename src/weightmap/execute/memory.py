@@ -6,6 +6,7 @@ memory-mapped views (where a view stays a view and nothing is copied).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -38,10 +39,35 @@ def check_torch_shapes(plan: Plan) -> None:
 
 
 def iter_outputs(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield each output of ``plan`` computed over ``ckpt``'s views; closes ``ckpt`` at the end."""
+    """Yield each output of ``plan`` computed over ``ckpt``'s views; closes ``ckpt`` at the end.
+
+    Outputs are independent tensors, as ``remap`` writes them: one that would share memory
+    with an output yielded before (a ``copy`` of a tensor that also goes on as it is: both
+    views of the same bytes) is yielded as a copy, or writing into one would change the other.
+    Disjoint views of one input (the parts of a split) stay views.
+    """
+    shared = _shared_sources(plan)
+    spans: dict[str, list[tuple[int, int]]] = {}  # shared source -> memory yielded from it
     try:
         for out in plan.outputs:
             t = evaluate(out.node, ckpt.view, out.name)
-            yield out.name, t if t.is_contiguous() else t.contiguous()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            names = [s.name for s in out.node.sources() if s.name in shared] if shared else []
+            if names and t.numel():
+                start = t.data_ptr()
+                end = start + t.numel() * t.element_size()
+                if any(a < end and start < b for n in names for a, b in spans.get(n, ())):
+                    t = t.clone()
+                else:
+                    for n in names:
+                        spans.setdefault(n, []).append((start, end))
+            yield out.name, t
     finally:
         ckpt.close()
+
+
+def _shared_sources(plan: Plan) -> set[str]:
+    """The inputs that more than one output reads (only their outputs can share memory)."""
+    counts = Counter(s.name for out in plan.outputs for s in set(out.node.sources()))
+    return {name for name, n in counts.items() if n > 1}
