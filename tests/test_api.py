@@ -10,7 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weightmap
-from weightmap import Checkpoint, ExecutionError, MappingError, OutputExistsError, PlanError
+from weightmap import (
+    Checkpoint,
+    ExecutionError,
+    MappingError,
+    OutputExistsError,
+    PlanError,
+    WeightmapError,
+)
 
 RENAME = """weightmap 1
 rename "layers.0.{rest*}" -> "midlayer.{rest}"
@@ -353,3 +360,46 @@ def test_iter_tensors_yields_independent_tensors_where_outputs_share_an_input(
     assert torch.equal(d["lm_head"], torch.arange(12.0).reshape(4, 3))
     # The parts of a split are disjoint: they stay views of the file, not copies.
     assert d["k"].data_ptr() - d["q"].data_ptr() == d["q"].numel() * 4
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "text"),
+    [
+        ({"max_shard_size": "abc"}, ValueError, "cannot parse size 'abc'"),
+        ({"max_shard_size": "9" * 400 + "GB"}, ValueError, "larger than any file can be"),
+        ({"workers": 0}, ValueError, "workers must be at least 1"),
+        ({"layout": "tight"}, ValueError, "unknown layout 'tight'"),
+    ],
+)
+def test_a_dry_run_refuses_what_the_real_run_refuses(
+    ckpt: Path, tmp_path: Path, options: dict[str, object], error: type, text: str
+) -> None:
+    for dry_run in (True, False):
+        with pytest.raises(error, match=text):
+            weightmap.remap(ckpt, tmp_path / "o", mapping=KEEP, dry_run=dry_run, **options)  # type: ignore[arg-type]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dry_run_into_an_existing_folder_needs_overwrite(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "o").mkdir()
+    with pytest.raises(OutputExistsError, match="already exists"):
+        weightmap.remap(ckpt, tmp_path / "o", mapping=KEEP, dry_run=True)
+    assert weightmap.remap(ckpt, tmp_path / "o", mapping=KEEP, dry_run=True, overwrite=True).dry_run
+
+
+def test_an_inplace_dry_run_refuses_what_the_rewrite_refuses(ckpt: Path) -> None:
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    drop = 'weightmap 1\ndrop "d2t"\nunmatched keep\n'
+    for dry_run in (True, False):
+        with pytest.raises(WeightmapError, match="in-place mode cannot drop tensors"):
+            weightmap.remap(ckpt, mapping=drop, inplace=True, dry_run=dry_run)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_shard_size": "10KB"}, {"layout": "reference"}, {"overwrite": True}, {"workers": 3}],
+)
+def test_inplace_refuses_options_it_would_ignore(ckpt: Path, options: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="would do nothing: leave it out"):
+        weightmap.remap(ckpt, mapping=KEEP, inplace=True, **options)  # type: ignore[arg-type]

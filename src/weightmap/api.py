@@ -34,7 +34,7 @@ from weightmap.execute.streaming import (
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.fdlimit import make_room
 from weightmap.format.gcpause import GcPause, gc_paused
-from weightmap.format.layout import CONFIG_NAME, Layouts
+from weightmap.format.layout import CONFIG_NAME, LAYOUTS, Layouts, parse_size
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter, destination_path
@@ -327,10 +327,17 @@ def remap(
     if not (dry_run or inplace) and out is None:
         raise ValueError("give out= (the destination folder), or dry_run=True / inplace=True")
     if inplace:
-        _check_inplace_options(verify, executor)
+        _check_inplace_options(verify, executor, max_shard_size, layout, overwrite, workers)
+    else:
+        # Checked now, dry run or not: a dry run passes only what the real run would.
+        _check_write_options(max_shard_size, layout, workers)
     if out is not None:
         out = destination_path(Path(out))  # (`in/..` refused, a `..` in folders to make taken)
         _check_destination(out)
+        if dry_run and not overwrite and (out.exists() or out.is_symlink()):
+            raise OutputExistsError(
+                f"{out} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
 
@@ -363,6 +370,12 @@ def remap(
             if not dry_run:
                 src.fetch(plan, progress=bars)
             if dry_run:
+                if inplace:
+                    # The headers the rewrite would write, made and thrown away: what it
+                    # refuses (a drop, a cast, a header without room) a dry run refuses too.
+                    from weightmap.execute.inplace import inplace_headers
+
+                    inplace_headers(plan, ckpt)
                 return Result(plan=plan, dest=None if out is None else Path(out), dry_run=True)
             if inplace:
                 from weightmap.execute.inplace import rewrite_inplace
@@ -416,8 +429,41 @@ def remap(
         return convert(pause)
 
 
-def _check_inplace_options(verify: bool, executor: Executor) -> None:
+def _check_write_options(max_shard_size: int | str, layout: str, workers: int | None) -> None:
+    """Refuse, before any work, options the writer would refuse once the plan is made."""
+    parse_size(max_shard_size)
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be at least 1, got {workers}")
+
+
+def _check_inplace_options(
+    verify: bool,
+    executor: Executor,
+    max_shard_size: int | str = "5GB",
+    layout: str = "clone",
+    overwrite: bool = False,
+    workers: int | None = None,
+) -> None:
     """Refuse options an in-place rename would otherwise ignore without a word."""
+    # An in-place rename keeps every file, shard and byte where it is, with one writer.
+    ignored = [
+        name
+        for name, given in (
+            ("max_shard_size (--max-shard-size)", max_shard_size != "5GB"),
+            ("layout (--layout)", layout != "clone"),
+            ("overwrite (--overwrite)", overwrite),
+            ("workers (--workers)", workers is not None),
+        )
+        if given
+    ]
+    if ignored:
+        raise ValueError(
+            f"an in-place rename rewrites headers and keeps the shards, their layout and every "
+            f"data byte where they are, so {', '.join(ignored)} would do nothing: leave "
+            f"{'it' if len(ignored) == 1 else 'them'} out, or convert into a new folder"
+        )
     if verify:
         raise ValueError(
             "verify=True checks a new output before it is committed, and an in-place rename "

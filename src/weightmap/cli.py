@@ -382,7 +382,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inplace", action="store_true", help="rename in place (header rewrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--verify", action="store_true", help="re-read and check the output")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="most tensor bytes in one output shard (default 5GB; the header and up to 4 KiB "
+        "of alignment come on top)",
+    )
     p.add_argument(
         "--workers", type=int, default=None, help="writer threads (with --ray: tasks at once)"
     )

@@ -9,6 +9,7 @@ offsets modulo the filesystem block and a copy-on-write filesystem can share the
 from __future__ import annotations
 
 import json
+import math
 import operator
 import re
 from bisect import bisect_left
@@ -64,6 +65,9 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
+_MAX_SIZE = float(2**63)  # (file sizes and offsets are signed 64-bit in the kernel)
+
+
 def parse_size(size: int | str) -> int:
     """Parse a size such as ``"5GB"`` (decimal units, as the hub uses) or ``"512MiB"``.
 
@@ -79,7 +83,13 @@ def parse_size(size: int | str) -> int:
             raise ValueError(
                 f"cannot parse size {size!r}: use a number with a unit such as 500MB, 5GB or 2GiB"
             )
-        value = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number > _MAX_SIZE:
+            # float() reads 400 nines as infinity, which int() refuses with an OverflowError.
+            raise ValueError(
+                f"size {str(size)[:40]!r} is larger than any file can be (at most 2**63 bytes)"
+            )
+        value = int(number)
     if value <= 0:
         raise ValueError(f"size must be positive, got {size!r}")
     return value
