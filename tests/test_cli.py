@@ -243,6 +243,23 @@ def test_diff(example: Path, tmp_path: Path) -> None:
     r = run("diff", str(example), str(tmp_path / "a"))
     assert r.returncode == 1
     assert "bytes differ: t2d" in r.stdout
+    assert r.stdout.splitlines()[-1] == "15 tensors identical, 1 with other bytes"
+
+
+def test_diff_counts_a_rename_once_each_side_and_shows_config_as_json(
+    example: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "sglang"
+    assert run("convert", str(example), str(out), "--preset", "eagle3-sglang").returncode == 0
+    r = run("diff", str(example), str(out))
+    assert r.returncode == 1
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("6 tensors identical, 10 only in A, 10 only in B, ")
+    assert last.endswith(" config difference(s)")
+    assert 'config - auto_map: {"": "eagle3.Eagle3DraftModel"}' in r.stdout  # as JSON
+    assert "True" not in r.stdout and "False" not in r.stdout
+    r = run("plan", str(example), "--preset", "eagle3-sglang")
+    assert '- auto_map[""]' in r.stdout  # the field named "" quoted, no dangling dot
 
 
 def test_presets_list_and_show() -> None:

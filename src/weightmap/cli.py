@@ -230,10 +230,19 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         print(f"bytes differ: {name}")
     for line in d.config:
         print(f"config {line}")
-    differing = len(d.only_a) + len(d.only_b) + len(d.changed) + len(d.bytes_differ)
+    # Each kind counted apart: a renamed tensor is one only in A and one only in B, not two
+    # of one kind, and a sum would count it twice against the tensors either side holds.
+    kinds = [
+        (len(d.only_a), "only in A"),
+        (len(d.only_b), "only in B"),
+        (len(d.changed), "with another dtype or shape"),
+        (len(d.bytes_differ), "with other bytes"),
+        (len(d.config), "config difference(s)"),
+    ]
     print(
-        f"{d.equal} tensor{'' if d.equal == 1 else 's'} identical, {differing} differ"
-        + (f", {len(d.config)} config difference(s)" if d.config else "")
+        f"{d.equal} tensor{'' if d.equal == 1 else 's'} identical"
+        + "".join(f", {n} {what}" for n, what in kinds if n)
+        + ("" if any(n for n, _ in kinds) else ", 0 differ")
     )
     return 0 if d.same else 1
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.format.checkpoint import Checkpoint
+from weightmap.format.text import field_path
 
 __all__ = ["CheckpointDiff", "diff_checkpoints"]
 
@@ -30,19 +32,24 @@ class CheckpointDiff:
         return not (self.only_a or self.only_b or self.changed or self.bytes_differ or self.config)
 
 
+def _json(value: Any) -> str:
+    # Values as config.json writes them (false, null), as `weightmap plan` shows them.
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _config_diff(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out: list[str] = []
         for key in sorted(set(a) | set(b), key=str):
-            where = f"{path}.{key}" if path else str(key)
+            where = field_path(path, key)
             if key not in b:
-                out.append(f"- {where}: {a[key]!r}")
+                out.append(f"- {where}: {_json(a[key])}")
             elif key not in a:
-                out.append(f"+ {where}: {b[key]!r}")
+                out.append(f"+ {where}: {_json(b[key])}")
             else:
                 out += _config_diff(a[key], b[key], where)
         return out
-    return [] if a == b else [f"~ {path or '<config>'}: {a!r} -> {b!r}"]
+    return [] if a == b else [f"~ {path or '<config>'}: {_json(a)} -> {_json(b)}"]
 
 
 def _same_views(a: Checkpoint, b: Checkpoint, name: str) -> bool:

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_JSON_FILE",
     "MAX_JSON_VALUES",
     "JsonRefused",
+    "field_path",
     "is_utf8",
     "json_depth",
     "json_problem",
@@ -326,3 +327,15 @@ def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> A
             f"{what} holds a lone surrogate escape, which is not UTF-8", path=path, rule="json"
         )
     return value
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def field_path(prefix: str, key: object) -> str:
+    """A config field's path for a message: ``rope_scaling.factor``; a key that is no plain
+    name is quoted (``auto_map[""]``, ``a["b.c"]``), so that no two fields read alike."""
+    text = str(key)
+    if _PLAIN_KEY.fullmatch(text):
+        return f"{prefix}.{text}" if prefix else text
+    return f"{prefix}[{json.dumps(text, ensure_ascii=False)}]"

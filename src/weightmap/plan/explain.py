@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from weightmap.format.text import field_path
 from weightmap.plan.nodes import (
     Arith,
     Binary,
@@ -130,7 +131,7 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(obj, dict) and obj:
         for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(_flatten(v, field_path(prefix, k)))
     else:
         out[prefix] = obj
     return out
