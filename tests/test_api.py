@@ -403,3 +403,22 @@ def test_an_inplace_dry_run_refuses_what_the_rewrite_refuses(ckpt: Path) -> None
 def test_inplace_refuses_options_it_would_ignore(ckpt: Path, options: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="would do nothing: leave it out"):
         weightmap.remap(ckpt, mapping=KEEP, inplace=True, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", ["5GB", "5gb", 5_000_000_000])
+def test_inplace_takes_the_default_shard_size_however_written(ckpt: Path, size: object) -> None:
+    assert weightmap.remap(ckpt, mapping=KEEP, inplace=True, max_shard_size=size).inplace  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("what", ["file", "holds the input"])
+def test_a_dry_run_makes_the_writers_destination_checks(
+    ckpt: Path, tmp_path: Path, what: str
+) -> None:
+    dest = tmp_path / "o"
+    if what == "file":
+        dest.write_text("x")
+    else:
+        dest = ckpt.parent  # the folder that holds the input
+    for dry_run in (True, False):
+        with pytest.raises(OutputExistsError):
+            weightmap.remap(ckpt, dest, mapping=KEEP, dry_run=dry_run, overwrite=True)

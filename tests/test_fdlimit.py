@@ -59,3 +59,34 @@ def test_many_shards_past_a_low_soft_limit(tmp_path: Path) -> None:
 def test_the_soft_limit_is_never_lowered() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert fdlimit.make_room(0) == soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+_CHILD_OUT = """
+import resource, sys, weightmap
+src, out, soft = sys.argv[1], sys.argv[2], int(sys.argv[3])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+r = weightmap.remap(src, out, mapping="weightmap 1\\nunmatched keep\\n", progress=False,
+                    max_shard_size=16)
+print(len(r.paths))
+"""
+
+
+def test_many_output_shards_of_one_input_past_a_low_soft_limit(tmp_path: Path) -> None:
+    # The writer holds every output shard open: they count, not only the inputs.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < SHARDS + fdlimit.MARGIN:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
+    (tmp_path / "src").mkdir()
+    save_file(
+        {f"w.{i}": torch.full((4,), float(i)) for i in range(SHARDS)},
+        tmp_path / "src" / "model.safetensors",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD_OUT, str(tmp_path / "src"), str(tmp_path / "out"), str(SOFT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == SHARDS

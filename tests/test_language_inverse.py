@@ -124,3 +124,17 @@ def test_an_output_of_holes_alone_inverts_where_it_is_the_only_rule() -> None:
     plan = compile_plan(forward, inputs, None)
     back = compile_plan(invert(forward), plan.output_specs(), plan.config)
     assert _key(back.output_specs()) == _key(inputs)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A rule without outputs keeps its names: nothing to read back with a pattern.
+        'cast "{x*}" from bf16 to f32\nrename "a.{y}" -> "b.{y}"\n',
+        # Only one branch runs: the other branch's rule puts nothing beside this one.
+        'param layout = "a"\nif layout == "a" {\n  rename "a.{x}" -> "{x}"\n} else {\n'
+        '  rename "b.{x}" -> "{x}"\n}\n',
+    ],
+)
+def test_holes_alone_are_refused_only_beside_other_outputs(text: str) -> None:
+    invert(load_mapping(f"weightmap 1\n{text}", name="r.wm"))

@@ -289,3 +289,9 @@ def test_a_byte_order_mark_before_the_version_line_is_read_past(tmp_path: Path) 
     for name in ("bom.wm", "outer.wm"):
         plan = compile_plan(load_mapping(str(tmp_path / name)), W, None)
         assert [o.name for o in plan.outputs] == ["a.weight", "b.weight"]
+
+
+def test_a_capture_named_like_a_param_counts_as_used_in_a_merge_output() -> None:
+    inputs = [T("l.0.q", "F32", (2,)), T("l.0.k", "F32", (2,))]
+    plan = compile_text('param i = 7\nmerge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
+    assert [o.name for o in plan.outputs] == ["l.0.qk"]

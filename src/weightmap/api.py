@@ -37,7 +37,7 @@ from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.layout import CONFIG_NAME, LAYOUTS, Layouts, parse_size
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
-from weightmap.format.writer import CheckpointWriter, destination_path
+from weightmap.format.writer import CheckpointWriter, check_destination, destination_path
 from weightmap.language.mapping import Mapping as RuleMapping
 from weightmap.language.mapping import load_mapping, preset_names, resolve_mapping
 from weightmap.plan.nodes import Source
@@ -334,10 +334,6 @@ def remap(
     if out is not None:
         out = destination_path(Path(out))  # (`in/..` refused, a `..` in folders to make taken)
         _check_destination(out)
-        if dry_run and not overwrite and (out.exists() or out.is_symlink()):
-            raise OutputExistsError(
-                f"{out} already exists; pass overwrite=True (--overwrite) to replace it"
-            )
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
 
@@ -370,6 +366,9 @@ def remap(
             if not dry_run:
                 src.fetch(plan, progress=bars)
             if dry_run:
+                if out is not None:
+                    # What the writer would refuse before any work, the dry run refuses.
+                    check_destination(Path(out), overwrite, ckpt.files)
                 if inplace:
                     # The headers the rewrite would write, made and thrown away: what it
                     # refuses (a drop, a cast, a header without room) a dry run refuses too.
@@ -438,6 +437,9 @@ def _check_write_options(max_shard_size: int | str, layout: str, workers: int | 
         raise ValueError(f"workers must be at least 1, got {workers}")
 
 
+_DEFAULT_SHARD = parse_size("5GB")  # (remap's default: given as such, it changes nothing)
+
+
 def _check_inplace_options(
     verify: bool,
     executor: Executor,
@@ -451,7 +453,7 @@ def _check_inplace_options(
     ignored = [
         name
         for name, given in (
-            ("max_shard_size (--max-shard-size)", max_shard_size != "5GB"),
+            ("max_shard_size (--max-shard-size)", parse_size(max_shard_size) != _DEFAULT_SHARD),
             ("layout (--layout)", layout != "clone"),
             ("overwrite (--overwrite)", overwrite),
             ("workers (--workers)", workers is not None),
@@ -584,7 +586,9 @@ def _write(
 
     # One descriptor per input shard and per output shard, open together (a rename keeps the
     # input's sharding): hundreds of shards outgrow a soft limit of 1,024.
-    make_room(2 * len(ckpt.files))
+    total = sum(s.nbytes for s in plan.output_specs())
+    shards = min(len(plan.outputs), total // parse_size(max_shard_size) + 1 + len(ckpt.files))
+    make_room(len(ckpt.files) + shards)
     if executor == "local":
         run = execute
     else:
@@ -754,8 +758,9 @@ def iter_tensors(
 
     The whole plan is compiled (and every problem the compiler can see reported) before the
     first tensor is yielded; checks of values (an integer cast that overflows, mask positions
-    out of range) raise ``ExecutionError`` when that tensor is reached. Outputs never share
-    memory with each other (a ``copy`` yields a copy).
+    out of range) raise ``ExecutionError`` when that tensor is reached. Two outputs of one
+    input never share memory (a ``copy`` yields a copy); tensors a PyTorch checkpoint stores
+    tied come out tied, as ``torch.load`` gives them.
     """
     rules = resolve_mapping(preset, mapping)
     src = _Source.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())

@@ -108,7 +108,9 @@ def members_of(rule: A.Rule, params: set[str]) -> Members:
     used = template_names(rule.outputs[0]) - params
     names = [{c.name for c in p.captures} for p in rule.patterns]
     if len(rule.patterns) > 1:
-        return _several_patterns(rule, names, used)
+        # Every name of the output counts here: a capture is found before a param of its
+        # name, so `{i}` in the output is the capture even where a param is called i.
+        return _several_patterns(rule, names, template_names(rule.outputs[0]))
     free = names[0] - used
     if rule.over is not None:
         if rule.over not in names[0]:

@@ -319,14 +319,14 @@ def _invert_file(r: A.FileRule) -> A.FileRule:
 
 
 def _makers(stmts: tuple[A.Stmt, ...]) -> int:
-    """How many statements put tensors in the output: rules and ``unmatched keep``, those in
-    both branches of ``if`` blocks counted (an upper bound is what the check below needs)."""
+    """How many statements put tensors in the output: rules and ``unmatched keep``; of an
+    ``if`` block, the branch with more (only one runs)."""
     count = 0
     for st in stmts:
         if isinstance(st, A.Rule) or (isinstance(st, A.Unmatched) and st.policy == "keep"):
             count += 1
         elif isinstance(st, A.If):
-            count += _makers(st.then) + _makers(st.orelse)
+            count += max(_makers(st.then), _makers(st.orelse))  # (one branch runs)
     return count
 
 
@@ -334,12 +334,12 @@ def _no_fixed_text(p: A.Pattern) -> bool:
     return not any(isinstance(x, str) and x for x in p.parts)
 
 
-def _check_readable(r: A.Rule, others: bool) -> None:
+def _check_readable(forward: A.Rule, r: A.Rule, others: bool) -> None:
     """Refuse an inverse rule that reads back with a pattern of holes alone (``"{f}"``, from a
     forward output ``-> "{f}"``) where other tensors reach the output: the pattern would take
     them too, and give them names they never had."""
-    if r.op == "keep" or not others:
-        return
+    if r.op == "keep" or not forward.outputs or not others:
+        return  # (a rule without outputs keeps its names: its inverse reads what it read)
     for p in r.patterns:
         if _no_fixed_text(p):
             raise _Refuse(
@@ -363,7 +363,7 @@ def _invert_stmts(
         try:
             if isinstance(st, A.Rule):
                 back = _invert_rule(st)
-                _check_readable(back, others)
+                _check_readable(st, back, others)
                 out.append(back)
             elif isinstance(st, A.Param):
                 params.append(st)

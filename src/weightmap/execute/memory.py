@@ -44,7 +44,9 @@ def iter_outputs(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tens
     Outputs are independent tensors, as ``remap`` writes them: one that would share memory
     with an output yielded before (a ``copy`` of a tensor that also goes on as it is: both
     views of the same bytes) is yielded as a copy, or writing into one would change the other.
-    Disjoint views of one input (the parts of a split) stay views.
+    Disjoint views of one input (the parts of a split) stay views. Inputs that a PyTorch
+    checkpoint stores tied (one storage, two names) are not told apart: they come out tied, as
+    ``torch.load`` gives them.
     """
     shared = _shared_sources(plan)
     spans: dict[str, list[tuple[int, int]]] = {}  # shared source -> memory yielded from it

@@ -56,7 +56,13 @@ from weightmap.format.transfer import (
     start_writeback,
 )
 
-__all__ = ["CheckpointWriter", "Piece", "destination_path", "transfer_piece"]
+__all__ = [
+    "CheckpointWriter",
+    "Piece",
+    "check_destination",
+    "destination_path",
+    "transfer_piece",
+]
 
 # Copies go in pieces of this size: threads share the work, and each piece is handed to the
 # disk as soon as it is written. Clones move no data and go in pieces of up to _CLONE_PIECE.
@@ -137,6 +143,51 @@ def destination_path(dest: Path) -> Path:
     return Path(*parts[:i], rest) if i else Path(rest)
 
 
+def check_destination(
+    dest: Path, overwrite: bool, protect: Iterable[str | os.PathLike[str]] = ()
+) -> None:
+    """Refuse a destination the writer cannot commit to, before any work (a dry run asks too):
+    one that holds a file of ``protect`` (the input), exists without ``overwrite``, is no
+    folder, cannot be removed, or whose parent is no folder."""
+    for p in protect:
+        if is_within(Path(p), dest):
+            raise OutputExistsError(
+                f"{dest}: the destination holds the input ({p}); choose another folder "
+                "(in-place mode rewrites headers without a destination)"
+            )
+    if dest.is_symlink() and not dest.exists() and not overwrite:
+        # Refused now, not after converting in full: the commit's rename would refuse it.
+        # A loop of links (a link to itself) leads nowhere either, and is said so.
+        target = os.readlink(dest)
+        what = "which does not exist" if _dangling(dest) else "a loop of links"
+        raise OutputExistsError(
+            f"{dest} is a symbolic link (to {target}, {what}); remove it, or pass "
+            "overwrite=True (--overwrite) to replace the link"
+        )
+    if dest.exists() and not overwrite:
+        raise OutputExistsError(
+            f"{dest} already exists; pass overwrite=True (--overwrite) to replace it"
+        )
+    if dest.exists() and not dest.is_symlink() and not dest.is_dir():
+        # overwrite replaces an old output, which is a folder; a file, FIFO or device
+        # under the name is something else (as root, /dev/null would be replaced).
+        kind = "file" if dest.is_file() else "special file (a FIFO, socket or device)"
+        raise OutputExistsError(
+            f"{dest} is a {kind}, not a folder: overwrite=True (--overwrite) replaces "
+            "an old output folder only; remove it yourself or choose another destination"
+        )
+    if dest.exists() and (why := removal_problem(dest)) is not None:
+        # Checked now: after the swap the new output would be in place and the old one
+        # stuck beside it under a temporary name.
+        raise ExecutionError(
+            f"{dest} cannot be replaced: {why}, so the old output could not be "
+            "removed; nothing was written. Make it removable (chmod u+w; chattr -i for an "
+            "immutable file) or choose another destination"
+        )
+    if dest.parent.exists() and not dest.parent.is_dir():
+        raise ExecutionError(f"{dest.parent}: the destination's parent is not a folder")
+
+
 class CheckpointWriter:
     """Write a checkpoint into ``dest`` atomically.
 
@@ -167,43 +218,7 @@ class CheckpointWriter:
             counts = Counter(s.name for s in specs)
             dup = sorted(n for n, c in counts.items() if c > 1)
             raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
-        for p in protect:
-            if is_within(Path(p), self.dest):
-                raise OutputExistsError(
-                    f"{self.dest}: the destination holds the input ({p}); choose another folder "
-                    "(in-place mode rewrites headers without a destination)"
-                )
-        if self.dest.is_symlink() and not self.dest.exists() and not overwrite:
-            # Refused now, not after converting in full: the commit's rename would refuse it.
-            # A loop of links (a link to itself) leads nowhere either, and is said so.
-            target = os.readlink(self.dest)
-            what = "which does not exist" if _dangling(self.dest) else "a loop of links"
-            raise OutputExistsError(
-                f"{self.dest} is a symbolic link (to {target}, {what}); remove it, or pass "
-                "overwrite=True (--overwrite) to replace the link"
-            )
-        if self.dest.exists() and not overwrite:
-            raise OutputExistsError(
-                f"{self.dest} already exists; pass overwrite=True (--overwrite) to replace it"
-            )
-        if self.dest.exists() and not self.dest.is_symlink() and not self.dest.is_dir():
-            # overwrite replaces an old output, which is a folder; a file, FIFO or device
-            # under the name is something else (as root, /dev/null would be replaced).
-            kind = "file" if self.dest.is_file() else "special file (a FIFO, socket or device)"
-            raise OutputExistsError(
-                f"{self.dest} is a {kind}, not a folder: overwrite=True (--overwrite) replaces "
-                "an old output folder only; remove it yourself or choose another destination"
-            )
-        if self.dest.exists() and (why := removal_problem(self.dest)) is not None:
-            # Checked now: after the swap the new output would be in place and the old one
-            # stuck beside it under a temporary name.
-            raise ExecutionError(
-                f"{self.dest} cannot be replaced: {why}, so the old output could not be "
-                "removed; nothing was written. Make it removable (chmod u+w; chattr -i for an "
-                "immutable file) or choose another destination"
-            )
-        if self.dest.parent.exists() and not self.dest.parent.is_dir():
-            raise ExecutionError(f"{self.dest.parent}: the destination's parent is not a folder")
+        check_destination(self.dest, overwrite, protect)
         self.overwrite = overwrite
         self.config = None if config is None else dict(config)
         planned = plan_layout(specs, max_shard_size, metadata, origins, layout)
