@@ -40,18 +40,24 @@ def _sharded(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def test_many_shards_past_a_low_soft_limit(tmp_path: Path) -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 2 * SHARDS + fdlimit.MARGIN:
-        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
-    _sharded(tmp_path / "src")
+def _child(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` on tmp_path/src -> tmp_path/out under a soft limit of SOFT open files."""
     r = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "src"), str(tmp_path / "out"), str(SOFT)],
+        [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "out"), str(SOFT)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_many_shards_past_a_low_soft_limit(tmp_path: Path) -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2 * SHARDS + fdlimit.MARGIN:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
+    _sharded(tmp_path / "src")
+    r = _child(_CHILD, tmp_path)
     count, soft = map(int, r.stdout.split())
     assert count == SHARDS and soft >= 2 * SHARDS + fdlimit.MARGIN
 
@@ -82,11 +88,5 @@ def test_many_output_shards_of_one_input_past_a_low_soft_limit(tmp_path: Path) -
         {f"w.{i}": torch.full((4,), float(i)) for i in range(SHARDS)},
         tmp_path / "src" / "model.safetensors",
     )
-    r = subprocess.run(
-        [sys.executable, "-c", _CHILD_OUT, str(tmp_path / "src"), str(tmp_path / "out"), str(SOFT)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
+    r = _child(_CHILD_OUT, tmp_path)
     assert int(r.stdout) == SHARDS
