@@ -32,7 +32,7 @@ from weightmap.execute.streaming import (
     execute,
 )
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.fdlimit import make_room
+from weightmap.format.fdlimit import has_room, make_room
 from weightmap.format.gcpause import GcPause, gc_paused
 from weightmap.format.layout import CONFIG_NAME, LAYOUTS, Layouts, parse_size
 from weightmap.format.sidefiles import FolderFiles, list_side_files
@@ -586,9 +586,12 @@ def _write(
 
     # One descriptor per input shard and per output shard, open together (a rename keeps the
     # input's sharding): hundreds of shards outgrow a soft limit of 1,024.
-    total = sum(s.nbytes for s in plan.output_specs())
-    shards = min(len(plan.outputs), total // parse_size(max_shard_size) + 1 + len(ckpt.files))
-    make_room(len(ckpt.files) + shards)
+    # The shards are counted only where even one per output would not fit (a pass over every
+    # output's size, on the path of every conversion otherwise).
+    if not has_room(len(ckpt.files) + len(plan.outputs)):
+        total = sum(s.nbytes for s in plan.output_specs())
+        shards = min(len(plan.outputs), total // parse_size(max_shard_size) + 1 + len(ckpt.files))
+        make_room(len(ckpt.files) + shards)
     if executor == "local":
         run = execute
     else:

@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["MARGIN", "make_room"]
+__all__ = ["MARGIN", "has_room", "make_room"]
 
 # Descriptors beyond the shards: the interpreter's, torch's, a Ray client's, a progress bar's.
 MARGIN = 256
+
+
+def has_room(files: int) -> bool:
+    """Whether the soft limit already leaves room for ``files`` open files and the margin."""
+    try:
+        import resource
+    except ImportError:  # (not a POSIX system: no such limit)
+        return True
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft == resource.RLIM_INFINITY or soft >= files + MARGIN
 
 
 def make_room(files: int) -> int:
