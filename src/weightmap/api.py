@@ -27,6 +27,7 @@ from weightmap.execute.streaming import (
     DEFAULT_CHUNK_BYTES,
     ExecutionStats,
     check_inputs,
+    check_workers,
     crc_of_ranges,
     descriptors,
     execute,
@@ -34,7 +35,7 @@ from weightmap.execute.streaming import (
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.fdlimit import has_room, make_room
 from weightmap.format.gcpause import GcPause, gc_paused
-from weightmap.format.layout import CONFIG_NAME, LAYOUTS, Layouts, parse_size
+from weightmap.format.layout import CONFIG_NAME, Layouts, check_layout, parse_size
 from weightmap.format.sidefiles import FolderFiles, list_side_files
 from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter, check_destination, destination_path
@@ -333,7 +334,7 @@ def remap(
         _check_write_options(max_shard_size, layout, workers)
     if out is not None:
         out = destination_path(Path(out))  # (`in/..` refused, a `..` in folders to make taken)
-        _check_destination(out)
+        _check_not_file_like(out)
     bars = progress is True or (progress is None and sys.stderr.isatty())
     src = _Source.resolve(checkpoint, rules.config_file, progress=bars)
 
@@ -431,10 +432,8 @@ def remap(
 def _check_write_options(max_shard_size: int | str, layout: str, workers: int | None) -> None:
     """Refuse, before any work, options the writer would refuse once the plan is made."""
     parse_size(max_shard_size)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if workers is not None and (isinstance(workers, bool) or workers < 1):
-        raise ValueError(f"workers must be at least 1, got {workers}")
+    check_layout(layout)
+    check_workers(workers)
 
 
 _DEFAULT_SHARD = parse_size("5GB")  # (remap's default: given as such, it changes nothing)
@@ -521,7 +520,7 @@ def _check_inplace_source(ckpt: Checkpoint) -> None:
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
 
 
-def _check_destination(out: Path) -> None:
+def _check_not_file_like(out: Path) -> None:
     """Refuse a destination named like a file (``out/model.safetensors``) before any work."""
     if out.is_dir() or not out.name.lower().endswith(_FILE_SUFFIXES):
         return

@@ -32,7 +32,7 @@ from weightmap.errors import ExecutionError, WeightmapError
 from weightmap.execute import task as task_module
 from weightmap.execute.distributed import execute_tasks
 from weightmap.execute.partition import TaskReport, TaskSpec
-from weightmap.execute.streaming import ExecutionStats, ProgressFn, check_inputs
+from weightmap.execute.streaming import ExecutionStats, ProgressFn, check_inputs, check_workers
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.text import redacted
 from weightmap.format.writer import CheckpointWriter
@@ -176,8 +176,7 @@ def execute_on_ray(
     """
     ray = _import_ray()
     check_inputs(plan, ckpt)
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
+    check_workers(workers)
     started = _connect(ray, address)
     try:
         slots = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))

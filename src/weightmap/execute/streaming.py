@@ -42,6 +42,7 @@ __all__ = [
     "ExecutionStats",
     "check_inputs",
     "check_unchanged",
+    "check_workers",
     "crc_of_ranges",
     "default_workers",
     "descriptors",
@@ -55,6 +56,13 @@ _CLONE_WEIGHT = 64 * 1024
 
 ProgressFn = Callable[[int], None]
 T = TypeVar("T")
+
+
+def check_workers(workers: int | None) -> None:
+    """ValueError for a number of workers that is not a count of at least 1 (None: the
+    default)."""
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be at least 1, got {workers}")
 
 
 def default_workers() -> int:
@@ -227,9 +235,8 @@ def execute(
     check_inputs(plan, ckpt)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    check_workers(workers)
     n_workers = default_workers() if workers is None else workers
-    if n_workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
     writer, sources = plan_writer(
         plan,
         ckpt,

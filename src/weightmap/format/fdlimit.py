@@ -24,8 +24,13 @@ def has_room(files: int) -> bool:
         import resource
     except ImportError:  # (not a POSIX system: no such limit)
         return True
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return soft == resource.RLIM_INFINITY or soft >= files + MARGIN
+    return _fits(resource.getrlimit(resource.RLIMIT_NOFILE)[0], files + MARGIN)
+
+
+def _fits(soft: int, needed: int) -> bool:
+    import resource
+
+    return soft == resource.RLIM_INFINITY or soft >= needed
 
 
 def make_room(files: int) -> int:
@@ -37,7 +42,7 @@ def make_room(files: int) -> int:
         return 0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = files + MARGIN
-    if soft == resource.RLIM_INFINITY or soft >= needed:
+    if _fits(soft, needed):
         return soft
     target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     if target > soft:

@@ -38,6 +38,7 @@ __all__ = [
     "WholeOrigins",
     "aligned_middle",
     "build_header",
+    "check_layout",
     "parse_size",
     "plan_layout",
     "plan_shards",
@@ -66,6 +67,12 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 _MAX_SIZE = float(2**63)  # (file sizes and offsets are signed 64-bit in the kernel)
+
+
+def check_layout(layout: str) -> None:
+    """ValueError for a layout name that is none of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
 
 
 def parse_size(size: int | str) -> int:
@@ -346,8 +353,7 @@ def plan_layout(
     at their input offsets modulo the block size, which lets a copy-on-write filesystem share
     them. A shard where that gains no whole block is laid out as the reference writer does.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    check_layout(layout)
     limit = parse_size(max_shard_size)
     origins = origins or {}
     whole = None
