@@ -295,3 +295,67 @@ def test_a_capture_named_like_a_param_counts_as_used_in_a_merge_output() -> None
     inputs = [T("l.0.q", "F32", (2,)), T("l.0.k", "F32", (2,))]
     plan = compile_text('param i = 7\nmerge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
     assert [o.name for o in plan.outputs] == ["l.0.qk"]
+
+
+def test_moving_a_field_into_itself_is_refused_not_lost() -> None:
+    # `move a -> a.b` popped `a` off the config into its own child: the field vanished.
+    for dst in ("a.b", "a.b.c"):
+        with pytest.raises(MappingError, match=rf"cannot move `a` into itself \(`{dst}`\)"):
+            compile_text(f'keep "**"\nconfig {{ move a -> {dst} }}\n', config={"a": {"x": 1}})
+    plan = compile_text('keep "**"\nconfig { move a -> b.a }\n', config={"a": {"x": 1}})
+    assert plan.config == {"b": {"a": {"x": 1}}}
+
+
+def test_copying_the_config_into_itself_counts_against_the_work_limit() -> None:
+    # Each `xN = config` doubled the config without a charge: 35 lines, 2**35 values.
+    lines = " ".join(f"x{i} = config" for i in range(35))
+    with pytest.raises(MappingError, match="expression builds more than 1,000,000 values"):
+        compile_text(f'keep "**"\nconfig {{ {lines} }}\n', config={"a": [0] * 10})
+    plan = compile_text('keep "**"\nconfig { b = config }\n', config={"a": [1, 2]})
+    assert plan.config == {"a": [1, 2], "b": {"a": [1, 2]}}
+
+
+def test_a_config_path_deeper_than_any_config_is_refused_cleanly() -> None:
+    deep = ".".join(["a"] * 5000)
+    with pytest.raises(MappingError, match="5000 fields deep; at most 64"):
+        compile_text(f'keep "**"\nconfig {{ {deep} = 1 }}\n', config={})
+    with pytest.raises(MappingError, match=r"config\.json nests deeper than 64 levels"):
+        compile_text('keep "**"\nconfig { ' + ".".join(["a"] * 60) + " = [[[[[[1]]]]]] }\n",
+                     config={})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"r": None}, False),
+        ({"r": 3}, False),
+        ({"r": "text"}, False),
+        ({"r": [1, 2]}, False),
+        ({}, False),
+        ({"r": {"theta": None}}, True),
+        ({"r": {"theta": 5}}, True),
+    ],
+)
+def test_has_is_false_under_a_field_that_is_no_object(config: object, expected: bool) -> None:
+    plan = compile_text('keep "**"\nconfig { found = has(config.r.theta) }\n', config=config)
+    assert plan.config is not None and plan.config["found"] is expected
+
+
+def test_has_of_list_items_and_reading_under_null_still_fails() -> None:
+    plan = compile_text(
+        'keep "**"\nconfig { in = has(config.xs[1]) out = has(config.xs[2]) }\n',
+        config={"xs": [1, 2]},
+    )
+    assert plan.config is not None and (plan.config["in"], plan.config["out"]) == (True, False)
+    with pytest.raises(MappingError, match=r"cannot index null with \"theta\""):
+        compile_text('keep "**"\nconfig { t = config.r.theta }\n', config={"r": None})
+    with pytest.raises(MappingError, match="object keys are strings"):
+        compile_text('keep "**"\nconfig { t = has(config.r[0]) }\n', config={"r": {}})
+
+
+def test_lift_compares_fields_as_json_values() -> None:
+    # Python's `1 == True` let a lifted true replace a 1 silently.
+    with pytest.raises(MappingError, match="its fields f differ"):
+        compile_text('keep "**"\nconfig { lift t }\n', config={"f": 1, "t": {"f": True}})
+    plan = compile_text('keep "**"\nconfig { lift t }\n', config={"f": 1, "t": {"f": 1.0}})
+    assert plan.config == {"f": 1.0}

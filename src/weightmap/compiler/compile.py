@@ -519,6 +519,7 @@ def _edit_config(
         apply_config_block(block, out_config, scope, c.report)
     if out_config is not None and blocks and (why := json_problem(out_config)) is not None:
         c.report(blocks[-1].loc, f"the edited config.json {why}")
+        return out_config  # reported; dumping a config nested that deep could overflow the stack
     try:
         json.dumps(out_config)
     except (TypeError, ValueError) as err:  # pragma: no cover - configs come from JSON

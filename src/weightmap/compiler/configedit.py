@@ -11,9 +11,10 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from weightmap.format.text import MAX_JSON_DEPTH
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr
-from weightmap.language.values import EvalError, Scope, truth
+from weightmap.language.values import EvalError, Scope, equal, truth
 
 __all__ = ["apply_config_block"]
 
@@ -26,6 +27,10 @@ def _dotted(path: tuple[str, ...]) -> str:
 
 def _parent(cfg: dict[str, Any], path: tuple[str, ...], create: bool) -> dict[str, Any] | str:
     """The object holding ``path[-1]``, or an error message."""
+    if len(path) > MAX_JSON_DEPTH:
+        # No config.json can hold it (see text.MAX_JSON_DEPTH), and walking or comparing
+        # objects that deep would overflow Python's stack.
+        return f"`{_dotted(path[:3])}...` is {len(path)} fields deep; at most {MAX_JSON_DEPTH}"
     obj = cfg
     for i, key in enumerate(path[:-1]):
         if key not in obj:
@@ -67,7 +72,12 @@ def _run(stmts: tuple[A.CfgStmt, ...], cfg: dict[str, Any], scope: Scope, report
                 _run(st.then if ok else st.orelse, cfg, scope, report)
         elif isinstance(st, A.CfgSet):
             try:
-                value = copy.deepcopy(compile_expr(st.value)(here))
+                value = compile_expr(st.value)(here)
+                # What a field receives counts against the work limit as any built value does:
+                # `b = config` copies the whole config, and a few such lines in a row would
+                # double it each time (the charge also refuses a value nested too deep to copy).
+                here.charge_value(value, st.value.loc)
+                value = copy.deepcopy(value)
             except EvalError as err:
                 report(err.loc, err.message)
                 continue
@@ -101,6 +111,15 @@ def _move(st: A.CfgMove, cfg: dict[str, Any], report: Report) -> None:
     src_parent = _parent(cfg, st.src, create=False)
     if not isinstance(src_parent, dict) or st.src[-1] not in src_parent:
         report(st.loc, f"cannot move `{_dotted(st.src)}`: it is missing from the config")
+        return
+    if st.dst[: len(st.src)] == st.src and len(st.dst) > len(st.src):
+        # The destination would hang inside the object being moved, and popping it off the
+        # config would take the destination with it: the field would silently vanish.
+        report(
+            st.loc,
+            f"cannot move `{_dotted(st.src)}` into itself (`{_dotted(st.dst)}`): move it to a"
+            f" new name first, or `nest` the fields that should go inside it",
+        )
         return
     dst_parent = _parent(cfg, st.dst, create=True)
     if isinstance(dst_parent, str):
@@ -137,8 +156,9 @@ def _lift(st: A.CfgLift, cfg: dict[str, Any], report: Report) -> None:
     if not isinstance(inner, dict):
         report(st.loc, f"cannot lift `{name}`: it is not an object")
         return
+    # JSON equality, as `==` in the language: `true` beside a lifted `1` is a clash.
     clashes = sorted(
-        k for k, v in inner.items() if k in parent and k != st.path[-1] and parent[k] != v
+        k for k, v in inner.items() if k in parent and k != st.path[-1] and not equal(parent[k], v)
     )
     if clashes and not st.overwrite:
         report(

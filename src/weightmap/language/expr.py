@@ -128,8 +128,12 @@ def _field(obj: Any, key: Any, what: str, loc: A.Loc) -> Any:
         return obj[key]
     if isinstance(obj, list) and isinstance(key, int) and not isinstance(key, bool):
         if not -len(obj) <= key < len(obj):
-            raise EvalError(f"{what}: index {key} is out of range for a list of {len(obj)}", loc)
+            raise MissingField(f"{what}: index {key} is out of range for a list of {len(obj)}", loc)
         return obj[key]
+    if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+        # A field of a null, a number or a list is no field at all: an error when read, but
+        # `has(config.rope_parameters.rope_theta)` is false under `"rope_parameters": null`.
+        raise MissingField(f"{what}: cannot index {brief(obj)} with {brief(key)}", loc)
     raise EvalError(f"{what}: cannot index {brief(obj)} with {brief(key)}", loc)
 
 
