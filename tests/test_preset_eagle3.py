@@ -314,6 +314,58 @@ def test_warnings(tmp_path: Path, edit: dict[str, Any], warning: str) -> None:
     assert any(w.endswith(warning) for w in plan.warnings), plan.warnings
 
 
+def _edit_top(src: Path, edit: dict[str, Any]) -> None:
+    """Set top-level config fields; None removes one."""
+    cfg = json.loads((src / "config.json").read_text())
+    for key, value in edit.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_null_rope_parameters_beside_rope_theta_converts(tmp_path: Path) -> None:
+    # has(config.rope_parameters.rope_theta) raised "cannot index null" under a null parent.
+    src = write_checkpoint(replace(BASE, rope_style="rope_theta"), tmp_path / "in")
+    _edit_config(src, {"rope_parameters": None})
+    config = weightmap.compile(src, preset="eagle3-sglang").config
+    assert config is not None
+    assert config["rope_theta"] == 500000.0 and "rope_parameters" not in config
+
+
+def test_config_fields_sglang_needs_are_written_whatever_speculators_left_out(
+    tmp_path: Path,
+) -> None:
+    # Without d2t the draft vocabulary is the target's: SGLang still reads draft_vocab_size.
+    src = write_checkpoint(replace(BASE, draft_vocab_size=BASE.vocab_size), tmp_path / "in")
+    _edit_top(src, {"draft_vocab_size": None, "target_hidden_size": None})
+    config = weightmap.compile(src, preset="eagle3-sglang").config
+    assert config is not None
+    assert config["draft_vocab_size"] == BASE.vocab_size and "target_hidden_size" not in config
+
+
+def test_d2t_without_draft_vocab_size_is_refused(tmp_path: Path) -> None:
+    src = write_checkpoint(BASE, tmp_path / "in")
+    _edit_top(src, {"draft_vocab_size": None})
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, preset="eagle3-sglang")
+    assert (
+        "requirement failed: config.json has no draft_vocab_size but the drafter has a d2t "
+        "table: SGLang needs the draft vocabulary size; add draft_vocab_size (the length of "
+        "d2t) to config.json"
+    ) in [p.message for p in info.value.problems]  # type: ignore[attr-defined]
+
+
+def test_a_top_level_torch_dtype_wins_over_the_layers(tmp_path: Path) -> None:
+    # transformers-4 style: torch_dtype at the top and a different one in the layer config.
+    src = write_checkpoint(BASE, tmp_path / "in")
+    _edit_top(src, {"dtype": None, "torch_dtype": "bfloat16"})
+    _edit_config(src, {"torch_dtype": "float32"})
+    config = weightmap.compile(src, preset="eagle3-sglang").config
+    assert config is not None and config["torch_dtype"] == "bfloat16"
+
+
 # -- the reverse: eagle3-speculators ----------------------------------------------------------
 
 VERIFIER = {"verifier": "example-org/tiny-llama-verifier"}
@@ -380,13 +432,7 @@ def _sglang_copy(example: Path, tmp_path: Path, edit: dict[str, Any] | None = No
     dst = tmp_path / "sglang"
     weightmap.remap(example, dst, preset="eagle3-sglang", progress=False)
     if edit is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        for key, value in edit.items():
-            if value is None:
-                cfg.pop(key, None)
-            else:
-                cfg[key] = value
-        (dst / "config.json").write_text(json.dumps(cfg))
+        _edit_top(dst, edit)
     return dst
 
 
@@ -442,3 +488,32 @@ def test_reverse_with_explicit_aux_ids(example: Path, tmp_path: Path) -> None:
     )
     assert plan.config is not None
     assert plan.config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"target_num_layers": 4}, "target_num_layers=4 is too small: the default aux layers"),
+        ({"aux_layer_ids": [1.5, 2, 3]}, "aux_layer_ids must be non-negative integers"),
+        ({"aux_layer_ids": [-1, 2, 3]}, "aux_layer_ids must be non-negative integers"),
+    ],
+)
+def test_reverse_refuses_aux_ids_that_name_no_layers(
+    example: Path, tmp_path: Path, params: dict[str, Any], message: str
+) -> None:
+    # target_num_layers=4 wrote [2, 2, 1], and 2 wrote [2, 1, -1], without a word.
+    src = _sglang_copy(example, tmp_path, {"eagle_config": None})
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, preset="eagle3-speculators", params={**VERIFIER, **params})
+    messages = [p.message for p in info.value.problems]  # type: ignore[attr-defined]
+    assert any(message in m for m in messages), messages
+
+
+def test_reverse_writes_float_spelled_aux_ids_as_integers(example: Path, tmp_path: Path) -> None:
+    src = _sglang_copy(example, tmp_path, {"eagle_config": None})
+    plan = weightmap.compile(
+        src, preset="eagle3-speculators", params={**VERIFIER, "aux_layer_ids": [2.0, 4, 6]}
+    )
+    assert plan.config is not None
+    ids = plan.config["eagle_aux_hidden_state_layer_ids"]
+    assert ids == [2, 4, 6] and all(type(i) is int for i in ids)
