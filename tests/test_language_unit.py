@@ -359,3 +359,25 @@ def test_lift_compares_fields_as_json_values() -> None:
         compile_text('keep "**"\nconfig { lift t }\n', config={"f": 1, "t": {"f": True}})
     plan = compile_text('keep "**"\nconfig { lift t }\n', config={"f": 1, "t": {"f": 1.0}})
     assert plan.config == {"f": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ('mul "a.weight" 1e39', r"1e\+39, does not fit the compute dtype F32 .*`in f64`"),
+        ('add "a.weight" 70000 in f16', "70000, does not fit the compute dtype F16"),
+        ('add "a.weight" 100000000000000000000 in f64', "past the 64-bit integers"),
+        ('mul "a.weight" -1e39 in bf16', "does not fit the compute dtype BF16"),
+    ],
+)
+def test_a_constant_that_does_not_fit_the_compute_dtype_is_refused(rule: str, message: str) -> None:
+    # In f32 a 1e39 is infinite: every output value became inf (or NaN for 0), silently; an int
+    # past 64 bits stopped torch midway, after other tensors were written.
+    with pytest.raises(MappingError, match=message):
+        compile_text(rule + '\nkeep "**"\n')
+
+
+def test_constants_at_the_compute_dtypes_limits_are_accepted() -> None:
+    for rule in ('mul "a.weight" 1e39 in f64', 'add "a.weight" 65504 in f16',
+                 'mul "a.weight" 3.4e38', 'add "a.weight" 9223372036854775807 in f64'):  # fmt: skip
+        assert compile_text(rule + '\nkeep "**"\n').outputs

@@ -56,13 +56,32 @@ def _float_input(spec: TensorSpec) -> None:
         )
 
 
-def _constant(rule: A.Rule, s: Scope) -> int | float:
+# The largest finite value of each compute dtype. torch converts the constant to the compute
+# dtype, where a larger one is infinite: every result would be an infinity or NaN, silently.
+_LARGEST = {"F64": 1.7976931348623157e308, "F32": 3.4028234663852886e38,
+            "BF16": 3.3895313892515355e38, "F16": 65504.0}  # fmt: skip
+_INT64 = 2**63
+
+
+def _constant(rule: A.Rule, s: Scope, compute: str) -> int | float:
     assert rule.value is not None
     v = evaluate(rule.value, s)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise RuleProblem(f"the value to {rule.op} must be a number, got {brief(v)}")
     if isinstance(v, float) and not math.isfinite(v):
         raise RuleProblem(f"the value to {rule.op} must be finite, got {v}")
+    if isinstance(v, int) and not -_INT64 <= v < _INT64:
+        # torch reads a Python int as a 64-bit integer first: past that it raises midway.
+        raise RuleProblem(
+            f"the value to {rule.op}, {brief(v)}, is past the 64-bit integers torch reads;"
+            " write it as a float (1e20)"
+        )
+    if abs(float(v)) > _LARGEST[compute]:
+        wider = " (compute in f64: `in f64`)" if compute != "F64" else ""
+        raise RuleProblem(
+            f"the value to {rule.op}, {brief(v)}, does not fit the compute dtype {compute}"
+            f" (largest {_LARGEST[compute]:g}){wider}"
+        )
     return v
 
 
@@ -109,8 +128,8 @@ def build_value(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node]
         raise RuleProblem("`block` applies to two tensors (the second one broadcast over blocks)")
     compute = _dtype(rule.compute, "F32", "compute dtype (`in`)", COMPUTE_DTYPES)
     out = _dtype(rule.to_dtype, spec.dtype, "result dtype (`to`)", FLOAT_CASTS)
-    node = Arith(dtype=out, shape=spec.shape, src=src, op=rule.op, value=_constant(rule, s),
-                 compute=compute)  # fmt: skip
+    value = _constant(rule, s, compute)
+    node = Arith(dtype=out, shape=spec.shape, src=src, op=rule.op, value=value, compute=compute)
     emit(output_name(rule, s), node)
 
 
