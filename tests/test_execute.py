@@ -146,6 +146,21 @@ def test_chunk_plan_bounds_memory() -> None:
     assert step >= 1000
 
 
+def test_chunk_plan_counts_the_source_a_quantization_scale_reads() -> None:
+    # One scale per 128 x 128 block: the grid is small, but each chunk of it reads its rows of
+    # blocks of the source in float32 (a copy and its magnitudes). Counted on the grid alone,
+    # one chunk took the whole 4096 x 4096 source: 128 MiB of float32 against 32 MiB.
+    from weightmap.plan.nodes import Quantize
+
+    s = Source(name="w", dtype="BF16", shape=(4096, 4096))
+    scales = Quantize(src=s, dtype="F32", shape=(32, 32), block=(128, 128), part="scales",
+                      fp8="F8_E4M3")  # fmt: skip
+    budget = 32 * 2**20
+    dim, step = chunk_plan(scales, budget)
+    assert dim == 0 and 1 <= step < 32
+    assert step * 128 * 4096 * (2 + 4 + 4) <= budget
+
+
 def test_computed_path_used_for_casts(tmp_path: Path) -> None:
     w = torch.randn(300, 7)
     root = _ckpt(tmp_path, w=w)

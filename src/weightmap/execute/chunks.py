@@ -204,6 +204,15 @@ def tree_nodes(node: Node) -> list[Node]:
 _WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16}
 
 
+def _working_bytes(n: Node) -> int:
+    per = _WORKING_BYTES.get(type(n), 0)
+    if isinstance(n, Quantize) and n.part == "scales":
+        # One scale per block, but each is the largest magnitude of a whole block of the
+        # source, converted to float32 to find it: the work is the source's size, not the grid's.
+        return numel(n.src.shape) * per
+    return numel(n.shape) * per
+
+
 def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     """The output dim to chunk along and how many indices of it per chunk.
 
@@ -214,7 +223,7 @@ def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     extent = node.shape[dim] if node.shape else 1
     total = sum(
-        numel(n.shape) * (max(DTYPES[n.dtype].itemsize, 1) + _WORKING_BYTES.get(type(n), 0))
+        numel(n.shape) * max(DTYPES[n.dtype].itemsize, 1) + _working_bytes(n)
         for n in tree_nodes(node)
     )
     per_index = max(1, total // max(extent, 1))
