@@ -72,6 +72,22 @@ def test_view_special_dtypes(tmp_path: Path) -> None:
         assert ckpt.view("e").shape == (0, 3)
 
 
+def test_view_of_a_dtype_this_torch_lacks_is_raw_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # float8_e8m0fnu and float4_e2m1fn_x2 came with torch 2.7 and 2.8 (pyproject allows older):
+    # view() raised a bare TypeError there, midway through iter_tensors.
+    f4 = torch.tensor([[1, 2], [3, 4]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    e8 = torch.tensor([127, 128], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    save_file({"f4": f4, "e8": e8}, tmp_path / "model.safetensors")
+    monkeypatch.delattr(torch, "float4_e2m1fn_x2")
+    monkeypatch.delattr(torch, "float8_e8m0fnu")
+    with Checkpoint.open(tmp_path) as ckpt:
+        for name, raw in (("f4", [1, 2, 3, 4]), ("e8", [127, 128])):
+            view = ckpt.view(name)
+            assert view.dtype == torch.uint8 and view.tolist() == raw
+
+
 @pytest.mark.parametrize(
     "shard",
     ["../s1.safetensors", "/etc/passwd", "sub/s1.safetensors", "..", "", "a\\b.safetensors"],

@@ -22,10 +22,13 @@ from weightmap.execute.segments import byte_segments
 from weightmap.execute.streaming import execute
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
+from weightmap.format.header import read_header
 from weightmap.format.layout import Layouts
 from weightmap.language.ast import Loc
 from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
+
+from sftools import entry, write_raw
 
 HERE = Loc("<test>", 1, 1)
 
@@ -347,3 +350,70 @@ def test_sources_of_a_rename_are_the_general_sources(tmp_path: Path) -> None:
         assert fast.where == general.where
         names = [o.name for o in plan.outputs]
         assert [fast.ranges(n) for n in names] == [general.ranges(n) for n in names]
+
+
+@pytest.mark.parametrize("shape", [(8192, 2, 128), (64, 2, 128), (4, 2, 256)])
+def test_sub_byte_splits_and_merges_along_whole_bytes_copy_whatever_their_count(
+    tmp_path: Path, shape: tuple[int, int, int]
+) -> None:
+    # F4 packs two elements a byte. The split's ranges are whole bytes (64 a row here), but
+    # 8192 of them went to the computed path (many small copies cost more than computing),
+    # which cannot compute F4; and a split of the last dim was measured one index (4 bits)
+    # at a time and refused. Both now copy the bytes, and the merge puts them back.
+    rows, parts, cols = shape
+    size = rows * parts * cols // 2
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_raw(folder / "model.safetensors", {"w": entry("F4", list(shape), 0, size)}, data)
+    split = tmp_path / "split.wm"
+    split.write_text('weightmap 1\nchunk "w" dim 1 -> "w.a", "w.b"\n')
+    weightmap.remap(folder, tmp_path / "out", mapping=split, progress=False)
+
+    def tensor(path: Path, name: str) -> bytes:
+        header = read_header(path)
+        info = header.tensors[name]
+        raw = path.read_bytes()
+        return raw[header.data_start + info.begin : header.data_start + info.end]
+
+    out = tmp_path / "out" / "model.safetensors"
+    half = cols // 2  # bytes of one part of one row
+    for k, name in enumerate(("w.a", "w.b")):
+        expected = b"".join(
+            data[(r * parts + k) * half : (r * parts + k + 1) * half] for r in range(rows)
+        )
+        assert tensor(out, name) == expected
+    merge = tmp_path / "merge.wm"
+    merge.write_text('weightmap 1\nmerge "w.{p:a,b}" dim 1 -> "w"\n')
+    weightmap.remap(tmp_path / "out", tmp_path / "back", mapping=merge, progress=False)
+    assert tensor(tmp_path / "back" / "model.safetensors", "w") == data
+
+
+def test_a_sub_byte_split_of_the_last_dim_at_a_whole_byte_is_copied(tmp_path: Path) -> None:
+    # One index of the last dim of an F4 tensor is 4 bits, so the split was refused, though
+    # each half of a row is 64 whole bytes.
+    data = bytes(range(256)) * 2
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_raw(folder / "model.safetensors", {"w": entry("F4", [4, 256], 0, 512)}, data)
+    mapping = tmp_path / "m.wm"
+    mapping.write_text('weightmap 1\nchunk "w" dim 1 -> "w.a", "w.b"\n')
+    weightmap.remap(folder, tmp_path / "out", mapping=mapping, progress=False)
+    out = tmp_path / "out" / "model.safetensors"
+    header, raw = read_header(out), out.read_bytes()
+    for k, name in enumerate(("w.a", "w.b")):
+        info = header.tensors[name]
+        got = raw[header.data_start + info.begin : header.data_start + info.end]
+        assert info.shape == (4, 128)
+        assert got == b"".join(data[r * 128 + k * 64 : r * 128 + (k + 1) * 64] for r in range(4))
+
+
+def test_a_sub_byte_split_through_a_byte_is_refused_before_writing(tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_raw(folder / "model.safetensors", {"w": entry("F4", [2, 3], 0, 3)}, b"\x12\x34\x56")
+    mapping = tmp_path / "m.wm"
+    mapping.write_text('weightmap 1\nsplit "w" dim 1 sizes [1, 2] -> "w.a", "w.b"\n')
+    with pytest.raises((ExecutionError, PlanError), match="F4"):
+        weightmap.remap(folder, tmp_path / "out", mapping=mapping, progress=False)
+    assert not (tmp_path / "out").exists()

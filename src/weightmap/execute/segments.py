@@ -25,10 +25,15 @@ class Segment(NamedTuple):
     length: int
 
 
-def _row_bytes(node: Node, dim: int) -> int | None:
-    """Bytes of one index along ``dim`` (the product of the later dims); None if fractional."""
-    bits = numel(node.shape[dim + 1 :]) * DTYPES[node.dtype].bits
-    return bits // 8 if bits % 8 == 0 else None
+def _row_bits(node: Node, dim: int) -> int:
+    """Bits of one index along ``dim`` (the product of the later dims)."""
+    return numel(node.shape[dim + 1 :]) * DTYPES[node.dtype].bits
+
+
+def _whole_bytes(*bits: int) -> bool:
+    # A sub-byte dtype (F4, F6) packs several elements in a byte: one index may be a fraction
+    # of a byte while the range a split or merge moves is whole bytes, and only that counts.
+    return all(b % 8 == 0 for b in bits)
 
 
 def _take(segments: list[Segment], offset: int, length: int) -> list[Segment]:
@@ -78,34 +83,34 @@ def byte_segments(node: Node, limit: int = 1 << 20) -> list[Segment] | None:
         return byte_segments(node.src, limit) if moved == sorted(moved) else None
     if isinstance(node, Slice):
         src = byte_segments(node.src, limit)
-        inner = _row_bytes(node.src, node.dim)
+        inner = _row_bits(node.src, node.dim)
         outer = numel(node.src.shape[: node.dim])
-        if src is None or inner is None or outer > limit:
+        row, start, length = (
+            node.src.shape[node.dim] * inner,
+            node.start * inner,
+            (node.stop - node.start) * inner,
+        )
+        if src is None or not _whole_bytes(row, start, length) or outer > limit:
             return None
-        row = node.src.shape[node.dim] * inner
         out: list[Segment] = []
         for o in range(outer):
-            out += _take(src, o * row + node.start * inner, (node.stop - node.start) * inner)
+            out += _take(src, (o * row + start) // 8, length // 8)
         return _merge(out)
     if isinstance(node, Concat | Stack):
         parts = [byte_segments(s, limit) for s in node.srcs]
         if any(p is None for p in parts):
             return None
+        outer = numel(node.shape[: node.dim])
         if isinstance(node, Stack):
-            outer = numel(node.shape[: node.dim])
-            rows = [_row_bytes(node, node.dim) for _ in node.srcs]
+            rows = [_row_bits(node, node.dim) for _ in node.srcs]
         else:
-            outer = numel(node.shape[: node.dim])
-            rows = [
-                None if (r := _row_bytes(s, node.dim)) is None else r * s.shape[node.dim]
-                for s in node.srcs
-            ]
-        if outer * len(node.srcs) > limit or any(r is None for r in rows):
+            rows = [_row_bits(s, node.dim) * s.shape[node.dim] for s in node.srcs]
+        if outer * len(node.srcs) > limit or not _whole_bytes(*rows):
             return None
         out = []
         for o in range(outer):
             for part, r in zip(parts, rows, strict=True):
-                assert part is not None and r is not None
-                out += _take(part, o * r, r)
+                assert part is not None
+                out += _take(part, o * r // 8, r // 8)
         return _merge(out)
     return None

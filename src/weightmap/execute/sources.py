@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import cast
 
 from weightmap.execute.chunks import tree_nodes
+from weightmap.execute.kernels import OPAQUE_DTYPES
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
@@ -39,7 +40,8 @@ def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
     size = nbytes(out.node.dtype, out.node.shape)
     if len(segments) <= _FEW_SEGMENTS or size // len(segments) >= _MIN_SEGMENT:
         return segments
-    return None
+    # Computing is only faster; for a dtype torch cannot compute in it is no way at all.
+    return segments if out.node.dtype in OPAQUE_DTYPES else None
 
 
 class Sources:

@@ -631,7 +631,8 @@ class Checkpoint:
         The view stays valid for as long as it is referenced, after :meth:`close` too: it
         keeps its memory map alive. Copy-on-write, so writing to it never touches the file.
         F4 tensors come back as ``float4_e2m1fn_x2`` with the last dimension halved (two values
-        per byte); dtypes that torch lacks (F6) come back as raw ``uint8`` bytes.
+        per byte); dtypes that torch lacks (F6, and F8_E8M0 or F4 before the torch release
+        that added them) come back as raw ``uint8`` bytes.
         """
         import torch
 
@@ -646,11 +647,14 @@ class Checkpoint:
         else:
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=loc.length, offset=loc.offset)
         dt = DTYPES[info.dtype]
-        if dt.name == "F4" and info.shape and info.shape[-1] % 2 == 0:
+        # F8_E8M0 and F4 are recent in torch (2.7, 2.8): an older build has no such dtype.
+        known = dt.torch_name is not None and hasattr(torch, dt.torch_name)
+        if known and dt.name == "F4" and info.shape and info.shape[-1] % 2 == 0:
             shape = (*info.shape[:-1], info.shape[-1] // 2)
             return raw.view(dt.torch()).reshape(shape)
-        if dt.torch_name is None or dt.name == "F4":
-            # No torch dtype (F6), or F4 with an odd last dimension: raw bytes only.
+        if not known or dt.name == "F4":
+            # No torch dtype (F6, or this build lacks it), or F4 with an odd last dimension:
+            # raw bytes only.
             return raw
         return raw.view(dt.torch()).reshape(info.shape)
 
