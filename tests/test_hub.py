@@ -138,12 +138,12 @@ class _FakeFile:
         self.path, self.size = path, size
 
 
-def test_only_the_files_the_plan_needs_are_downloaded(
-    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    remote = _model(tmp_path, example)
-    (remote / "pytorch_model.bin").write_bytes(b"the same weights, pickled")
-    (remote / ".gitattributes").write_text("*.bin filter=lfs\n")
+def _fake_hub(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remote: Path, tree: bool = False
+) -> list[list[str]]:
+    """A Hub holding ``remote`` at COMMIT on main, and a download that lays the cache out as
+    huggingface_hub 2.x does: the snapshot and blobs, no ``refs/`` entry for a revision that
+    is the commit itself, and (``tree``) the revision's whole file list under trees/."""
     files = {p.relative_to(remote).as_posix(): p for p in remote.rglob("*") if p.is_file()}
     asked: list[list[str]] = []
 
@@ -156,19 +156,38 @@ def test_only_the_files_the_plan_needs_are_downloaded(
 
     def fake_download(repo_id: str, revision: str, allow_patterns: list[str], **kw: Any) -> str:
         asked.append(sorted(allow_patterns))
-        wanted = {n: p for n, p in files.items() if n in allow_patterns}
-        staged = tmp_path / "staged"
-        shutil.rmtree(staged, ignore_errors=True)
-        for n, p in wanted.items():
-            (staged / n).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(p, staged / n)
-        return str(cache_repo(tmp_path / "cache", staged))
+        storage = tmp_path / "cache" / f"models--{repo_id.replace('/', '--')}"
+        snap = storage / "snapshots" / COMMIT
+        for n, p in files.items():
+            if n in allow_patterns:
+                (snap / n).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(p, snap / n)
+        if revision != COMMIT:
+            (storage / "refs").mkdir(parents=True, exist_ok=True)
+            (storage / "refs" / revision).write_text(COMMIT)
+        if tree:
+            (storage / "trees").mkdir(parents=True, exist_ok=True)
+            listing = {n: {"size": p.stat().st_size, "blob_id": "0" * 40} for n, p in files.items()}
+            (storage / "trees" / f"{COMMIT}.json").write_text(
+                json.dumps({"format_version": 1, "files": listing})
+            )
+        return str(snap)
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hub, "HfApi", FakeApi)
     monkeypatch.setattr(hub, "snapshot_download", fake_download)
+    return asked
+
+
+def test_only_the_files_the_plan_needs_are_downloaded(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = _model(tmp_path, example)
+    (remote / "pytorch_model.bin").write_bytes(b"the same weights, pickled")
+    (remote / ".gitattributes").write_text("*.bin filter=lfs\n")
+    asked = _fake_hub(monkeypatch, tmp_path, remote)
     mapping = 'weightmap 1\nunmatched keep\nfiles {\n    drop "README.md"\n}\n'
     result = weightmap.remap("org/tiny", tmp_path / "out", mapping=mapping, progress=False)
     # The weights and config first, then the side files the plan keeps; never the .bin copy
@@ -257,3 +276,63 @@ def test_a_revision_is_never_a_path_out_of_refs(spec: str, ok: bool) -> None:
     if not ok:
         with pytest.raises(ValueError, match="not a repository id"):
             HubRepo(spec)
+
+
+def test_a_repo_downloaded_by_branch_is_found_offline_by_branch(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The download asks for the resolved commit, for which huggingface_hub writes no
+    # refs/main: offline, `org/tiny` was then "not in the local Hugging Face cache".
+    _fake_hub(monkeypatch, tmp_path, _model(tmp_path, example))
+    weightmap.remap("org/tiny", tmp_path / "online", preset="eagle3-sglang", progress=False)
+    ref = tmp_path / "cache" / "models--org--tiny" / "refs" / "main"
+    assert ref.read_text() == COMMIT
+    r = _run("convert", "org/tiny", str(tmp_path / "offline"), "--preset", "eagle3-sglang",
+             cache=tmp_path / "cache")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    online, offline = (tmp_path / d / "model.safetensors" for d in ("online", "offline"))
+    assert online.read_bytes() == offline.read_bytes()
+
+
+def test_offline_a_side_file_never_downloaded_is_named_not_left_out(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_hub(monkeypatch, tmp_path, _model(tmp_path, example), tree=True)
+    weightmap.remap(
+        "org/tiny", tmp_path / "bare", preset="eagle3-sglang", side_files=False, progress=False
+    )
+    r = _run("convert", "org/tiny", str(tmp_path / "o"), "--preset", "eagle3-sglang",
+             cache=tmp_path / "cache")  # fmt: skip
+    assert r.returncode == 1 and not (tmp_path / "o").exists()
+    assert "README.md, tok/vocab.txt, tokenizer.json are not in the local" in r.stderr
+    assert "--no-side-files" in r.stderr
+    r = _run("convert", "org/tiny", str(tmp_path / "o"), "--preset", "eagle3-sglang",
+             "--no-side-files", cache=tmp_path / "cache")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_repo_with_both_forms_is_read_as_a_local_copy_is(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # model.safetensors beside a PyTorch index: the folder reads model.safetensors, and so
+    # must the repository (the .bin shards were downloaded and unpickled instead).
+    remote = _model(tmp_path, example)
+    (remote / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"fc.weight": "pytorch_model-00001-of-00001.bin"}})
+    )
+    (remote / "pytorch_model-00001-of-00001.bin").write_bytes(b"pickled weights")
+    asked = _fake_hub(monkeypatch, tmp_path, remote)
+    plan = weightmap.compile("org/tiny", preset="eagle3-sglang")
+    assert asked[0] == ["config.json", "model.safetensors"]
+    assert plan.outputs == weightmap.compile(remote, preset="eagle3-sglang").outputs
+
+
+def test_a_hub_index_without_a_weight_map_object_is_named(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = _model(tmp_path, example)
+    (remote / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a"]}))
+    _fake_hub(monkeypatch, tmp_path, remote)
+    with pytest.raises(CheckpointError, match=r'"weight_map" object') as info:
+        weightmap.compile("org/tiny", preset="eagle3-sglang")
+    assert info.value.rule == "index"  # type: ignore[attr-defined]

@@ -226,7 +226,7 @@ class _Source:
         """Download the side files the plan carries from a repository (the cache first)."""
         wanted = [f.source for f in plan.files if f.source is not None]
         if self.repo is not None and wanted:
-            self.repo.fetch(wanted, progress=progress)
+            self.repo.fetch(wanted, progress=progress, side=True)
 
 
 def _progress_fn(

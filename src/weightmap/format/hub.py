@@ -130,11 +130,43 @@ class HubRepo:
                 "download it while online, or give a local folder",
                 "hub-offline",
             )
+        listed = self._cached_tree(folder)
+        if listed is not None:
+            return listed
         return {
             p.relative_to(folder).as_posix(): p.stat().st_size
             for p in sorted(folder.rglob("*"))
             if p.is_file()
         }
+
+    @staticmethod
+    def _cached_tree(folder: Path) -> dict[str, int] | None:
+        """The revision's whole file list as huggingface_hub cached it on an earlier download
+        (``trees/<commit>.json``, huggingface_hub 2.x), or None where there is none.
+
+        Offline, the snapshot folder holds only what was downloaded: a side file left behind
+        then (a first run with side files off) would be missing from the output without a
+        word. With the whole list, the fetch names it instead.
+        """
+        path = folder.parent.parent / "trees" / f"{folder.name}.json"
+        if not path.is_file():
+            return None
+        try:
+            tree = read_json_file(path, "huggingface_hub's cached file list")
+        except CheckpointError:
+            return None  # unreadable or malformed: the snapshot's own files are the list
+        if not isinstance(tree, dict) or tree.get("format_version") != 1:
+            return None
+        files = tree.get("files")
+        if not isinstance(files, dict):
+            return None
+        listed: dict[str, int] = {}
+        for name, info in files.items():
+            size = info.get("size") if isinstance(info, dict) else None
+            if not isinstance(name, str) or type(size) is not int or size < 0:
+                return None
+            listed[name] = size
+        return dict(sorted(listed.items()))
 
     def _remote_files(self) -> dict[str, int]:
         self._check_endpoint()
@@ -206,8 +238,9 @@ class HubRepo:
         shown = redacted(str(err), secrets=self._secrets())
         return self._fail(f"the Hub refused the request ({name}: {shown})", "hub")
 
-    def fetch(self, names: list[str], *, progress: bool = True) -> Path:
-        """The snapshot folder, holding at least ``names`` (downloaded where missing)."""
+    def fetch(self, names: list[str], *, progress: bool = True, side: bool = False) -> Path:
+        """The snapshot folder, holding at least ``names`` (downloaded where missing);
+        ``side``: they are side files, which the error for a missing one says can be left out."""
         if self.offline or not names:
             folder = self.cached_snapshot()
         else:
@@ -232,6 +265,7 @@ class HubRepo:
                 )
             except Exception as err:
                 raise self._translated(err) from None
+            self._remember_revision(folder)
         missing = sorted(n for n in names if folder is None or not (folder / n).is_file())
         if missing or folder is None:
             raise self._fail(
@@ -239,34 +273,70 @@ class HubRepo:
                 f"{'is' if len(missing) == 1 else 'are'} not in the local Hugging Face cache "
                 f"({self._cache()}) and the Hub cannot be used "
                 f"({'HF_HUB_OFFLINE=1' if self._offline() else 'no connection'}): download "
-                "while online, or give a local folder",
+                "while online, or give a local folder"
+                + (", or leave the side files out (--no-side-files)" if side else ""),
                 "hub-offline",
             )
         return folder
+
+    def _remember_revision(self, folder: Path) -> None:
+        """Record in the cache which commit the revision (a branch or tag) named.
+
+        The download asks for the commit the revision resolved to, so that a branch moving
+        meanwhile cannot mix two commits; huggingface_hub then writes no ``refs/<revision>``
+        (it does only for a revision that is not the commit), and offline, where the ref is
+        all there is to go by, the cached snapshot would not be found. Written as
+        huggingface_hub writes it (the commit alone, through a temporary file and a rename); a
+        cache this user cannot write is left as it is.
+        """
+        commit = self.commit
+        if commit is None or self.revision == commit or folder.name != commit:
+            return
+        ref = folder.parent.parent / "refs" / self.revision
+        with contextlib.suppress(OSError):
+            if ref.is_file() and ref.read_text().strip() == commit:
+                return
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ref.with_name(f"{ref.name}.{os.getpid()}.weightmap.tmp")
+            try:
+                tmp.write_text(commit)
+                os.replace(tmp, ref)
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
 
     def checkpoint_files(self, files: dict[str, int], config_name: str) -> list[str]:
         """What opening the checkpoint reads, as ``Checkpoint.open`` looks for it: an index and
         its shards, or one weights file; and the config. The index is fetched to find the
         shards."""
         configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
-        for index_name in (INDEX_NAME, PICKLE_INDEX):
-            if index_name in files:
-                index = read_json_file(self.fetch([index_name]) / index_name, "the index")
-                weight_map = index.get("weight_map") if isinstance(index, dict) else None
-                shards = sorted(
-                    {s for s in (weight_map or {}).values() if isinstance(s, str) and "/" not in s}
+        # Checkpoint.open's order, so that a repository holding both forms (model.safetensors
+        # and a PyTorch index, say) is read from the same files as a local copy of it.
+        for name in (INDEX_NAME, SINGLE_NAME, PICKLE_INDEX, PICKLE_SINGLE):
+            if name not in files:
+                continue
+            if name in (SINGLE_NAME, PICKLE_SINGLE):
+                return [name, *configs]
+            index_name = name
+            index_path = self.fetch([index_name]) / index_name
+            index = read_json_file(index_path, "the index")
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                # As opening the folder would say it, before the shards are downloaded.
+                raise CheckpointError(
+                    'index must be a JSON object with a "weight_map" object',
+                    path=index_path,
+                    rule="index",
                 )
-                absent = [s for s in shards if s not in files]
-                if absent and not self.offline:
-                    raise self._fail(
-                        f"{index_name} names shard(s) the repository does not have: "
-                        f"{', '.join(absent[:5])}",
-                        "missing-shard",
-                    )
-                return [index_name, *shards, *configs]
-        for single in (SINGLE_NAME, PICKLE_SINGLE):
-            if single in files:
-                return [single, *configs]
+            shards = sorted({s for s in weight_map.values() if isinstance(s, str) and "/" not in s})
+            absent = [s for s in shards if s not in files]
+            if absent and not self.offline:
+                raise self._fail(
+                    f"{index_name} names shard(s) the repository does not have: "
+                    f"{', '.join(absent[:5])}",
+                    "missing-shard",
+                )
+            return [index_name, *shards, *configs]
         pickles = sorted(n for n in files if "/" not in n and n.endswith((".pt", ".pth")))
         if len(pickles) != 1:
             found = f": it has {', '.join(pickles[:4])}" if pickles else ""
