@@ -338,6 +338,13 @@ def test_an_address_where_nothing_answers_fails_at_once(
     assert not (tmp_path / "out").exists() and not (tmp_path / "cli").exists()
     assert leftovers(tmp_path) == []
 
+    # The address Ray takes from the environment where none is given, the same way.
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ExecutionError, match=r"\(RAY_ADDRESS\): nothing answers at 127"):
+        weightmap.remap(example, tmp_path / "out", preset="eagle3-sglang", executor="ray")
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
     def no_socket(*_args: Any, **_kwargs: Any) -> None:
         raise AssertionError("checked an address that is not a host and a port")
 

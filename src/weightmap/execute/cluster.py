@@ -110,7 +110,7 @@ def _entry(body: Callable[..., TaskReport]) -> Callable[[TaskSpec, Any], TaskRep
     return run
 
 
-def _answers(address: str, timeout: float = 5.0) -> None:
+def _answers(address: str, timeout: float = 5.0, named: str = "") -> None:
     """Fail at once where nothing answers at a ``host:port`` (or ``ray://host:port``) address.
 
     Ray itself retries a cluster that is not there for minutes, logging a warning every few
@@ -126,9 +126,10 @@ def _answers(address: str, timeout: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as exc:
         why = exc.strerror or str(exc) or type(exc).__name__
+        given = f" ({named})" if named else ""
         raise ExecutionError(
-            f"cannot connect to the Ray cluster at {redacted(address)}: nothing answers at "
-            f"{host}:{port} "
+            f"cannot connect to the Ray cluster at {redacted(address)}{given}: nothing answers "
+            f"at {host}:{port} "
             f"({why}); start the head node there with `ray start --head`, or pass the address "
             "it prints"
         ) from None
@@ -139,8 +140,12 @@ def _connect(ray: ModuleType, address: str | None) -> bool:
     machine, or a new local one); True if this call started the connection."""
     if ray.is_initialized():
         return False
+    # Ray reads RAY_ADDRESS where no address is given: a dead one there is just as slow.
+    env = os.environ.get("RAY_ADDRESS")
     if address:
         _answers(address)
+    elif env:
+        _answers(env, named="RAY_ADDRESS")
     options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if not (address or "").startswith("ray://"):  # Ray Client takes no local-cluster options
         options["include_dashboard"] = False  # a new local cluster starts faster without it
