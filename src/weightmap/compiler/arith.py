@@ -77,10 +77,10 @@ def _constant(rule: A.Rule, s: Scope, compute: str) -> int | float:
             " write it as a float (1e20)"
         )
     if abs(float(v)) > _LARGEST[compute]:
-        wider = " (compute in f64: `in f64`)" if compute != "F64" else ""
+        wider = "; write `in f64` to compute in f64" if compute != "F64" else ""
         raise RuleProblem(
             f"the value to {rule.op}, {brief(v)}, does not fit the compute dtype {compute}"
-            f" (largest {_LARGEST[compute]:g}){wider}"
+            f" (largest {_LARGEST[compute]:g}{wider})"
         )
     return v
 
