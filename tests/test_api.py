@@ -422,3 +422,31 @@ def test_a_dry_run_makes_the_writers_destination_checks(
     for dry_run in (True, False):
         with pytest.raises(OutputExistsError):
             weightmap.remap(ckpt, dest, mapping=KEEP, dry_run=dry_run, overwrite=True)
+
+
+def test_a_config_edit_that_only_changes_a_json_type_is_an_edit(tmp_path: Path) -> None:
+    # Python's == says true == 1 and 10000 == 10000.0: an in-place rename left such edits
+    # out of config.json, the plan did not call the config edited, and diff saw no change.
+    import json
+
+    from weightmap.format.checkpoint import Checkpoint
+    from weightmap.format.diff import diff_checkpoints
+
+    src = tmp_path / "c"
+    src.mkdir()
+    save_file({"a": torch.ones(2)}, str(src / "model.safetensors"))
+    config = {"tie_word_embeddings": True, "rope_theta": 10000}
+    (src / "config.json").write_text(json.dumps(config))
+    shutil.copytree(src, tmp_path / "before")
+    mapping = weightmap.load_mapping(
+        'weightmap 1\nrename "a" -> "b"\nconfig { tie_word_embeddings = 1  rope_theta = 10000.0 }\n'
+    )
+    assert weightmap.compile(src, mapping=mapping).config_changed
+    weightmap.remap(src, inplace=True, mapping=mapping, progress=False)
+    edited = json.loads((src / "config.json").read_text())
+    assert [type(v) for v in edited.values()] == [int, float]
+    with Checkpoint.open(tmp_path / "before") as a, Checkpoint.open(src) as b:
+        assert diff_checkpoints(a, b).config == [
+            "~ rope_theta: 10000 -> 10000.0",
+            "~ tie_word_embeddings: true -> 1",
+        ]

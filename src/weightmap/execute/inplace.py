@@ -38,7 +38,7 @@ from weightmap.format.checkpoint import Checkpoint, resolve_shard
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
 from weightmap.format.lock import folder_lock
-from weightmap.format.text import read_json_file
+from weightmap.format.text import read_json_file, same_json
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
@@ -195,7 +195,7 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
         # Compared with config.json as it is, not with the config the plan read: a mapping's
         # `config from "params.json"` reads another file, and the conversion into a new folder
         # writes config.json from it whether or not the mapping edits it.
-        if plan.config is not None and plan.config != _config_json(root):
+        if plan.config is not None and not same_json(plan.config, _config_json(root)):
             journal["config"] = (
                 json.dumps(plan.config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
             )

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.text import field_path
+from weightmap.format.text import field_path, same_json
 
-__all__ = ["CheckpointDiff", "diff_checkpoints"]
+__all__ = ["CheckpointDiff", "config_diff", "diff_checkpoints"]
 
 _BLOCK = 16 * 2**20  # bytes compared at a time: memory stays at two blocks
 
@@ -37,7 +37,9 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _config_diff(a: Any, b: Any, path: str = "") -> list[str]:
+def config_diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Each field where config ``b`` differs from ``a``: ``- path: value`` (only in ``a``),
+    ``+ path: value`` (only in ``b``), ``~ path: a -> b``; JSON equality, key order aside."""
     if isinstance(a, dict) and isinstance(b, dict):
         out: list[str] = []
         for key in sorted(set(a) | set(b), key=str):
@@ -47,9 +49,9 @@ def _config_diff(a: Any, b: Any, path: str = "") -> list[str]:
             elif key not in a:
                 out.append(f"+ {where}: {_json(b[key])}")
             else:
-                out += _config_diff(a[key], b[key], where)
+                out += config_diff(a[key], b[key], where)
         return out
-    return [] if a == b else [f"~ {path or '<config>'}: {_json(a)} -> {_json(b)}"]
+    return [] if same_json(a, b) else [f"~ {path or '<config>'}: {_json(a)} -> {_json(b)}"]
 
 
 def _same_views(a: Checkpoint, b: Checkpoint, name: str) -> bool:
@@ -102,5 +104,5 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint) -> CheckpointDiff:
             result.equal += 1
         else:
             result.bytes_differ.append(name)
-    result.config = _config_diff(a.config, b.config)
+    result.config = config_diff(a.config, b.config)
     return result

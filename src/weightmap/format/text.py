@@ -34,6 +34,7 @@ __all__ = [
     "nesting_exceeds",
     "read_json_file",
     "redacted",
+    "same_json",
     "strict_json",
 ]
 
@@ -330,6 +331,15 @@ def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> A
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two values are the same JSON: ``true`` is not ``1`` and ``10000`` is not
+    ``10000.0`` (Python's ``==`` says they are), a NaN equals a NaN, key order aside."""
+    try:
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    except (TypeError, ValueError):  # (keys of mixed types: not from JSON)
+        return bool(a == b)
 
 
 def field_path(prefix: str, key: object) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.gcpause import gc_paused
 from weightmap.format.slots import slot_setter
+from weightmap.format.text import same_json
 from weightmap.language.ast import Loc
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
@@ -195,8 +196,9 @@ class Plan:
 
     @property
     def config_changed(self) -> bool:
-        """True when the mapping edited the config."""
-        return self.config != self.input_config
+        """True when the mapping edited the config (JSON equality: ``true`` to ``1`` is an
+        edit)."""
+        return not same_json(self.config, self.input_config)
 
     @property
     def is_rename_only(self) -> bool:
