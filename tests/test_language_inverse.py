@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import weightmap
 from weightmap.compiler.compile import compile_plan
-from weightmap.compiler.inverse import invert
+from weightmap.compiler.inverse import invert, round_trip_problems
 from weightmap.errors import MappingError
 from weightmap.format.dtypes import TensorSpec as T
 from weightmap.language.mapping import load_mapping
@@ -138,3 +144,49 @@ def test_an_output_of_holes_alone_inverts_where_it_is_the_only_rule() -> None:
 )
 def test_holes_alone_are_refused_only_beside_other_outputs(text: str) -> None:
     invert(load_mapping(f"weightmap 1\n{text}", name="r.wm"))
+
+
+def test_a_copy_whose_output_is_holes_alone_is_refused() -> None:
+    # The copy's source reaches the output beside the copies: `drop "{f*}"` dropped them all.
+    with pytest.raises(MappingError, match="is all holes"):
+        invert(load_mapping('weightmap 1\ncopy "a.{f*}" -> "{f}"\n', name="c.wm"))
+
+
+@pytest.mark.parametrize(
+    ("text", "difference"),
+    [
+        # Tensors that were f32 before match the inverse cast too, and come back bf16.
+        ('cast "**" from bf16 to f32\nunmatched keep\n', "norm: F32[4] comes back as BF16[4]"),
+        # Two captures joined by a separator that also occurs inside a capture.
+        (
+            'rename "layers.{n}.{m}.weight" -> "blk_{n}_{m}.weight"\nunmatched keep\n',
+            "layers.0.q_proj.weight: not given back",
+        ),
+        # The parent object the move made stays behind.
+        ("unmatched keep\nconfig { move a -> n.b }\n", "config.json + n: {}"),
+    ],
+)
+def test_checking_an_inverse_against_a_checkpoint_names_what_does_not_come_back(
+    tmp_path: Path, text: str, difference: str
+) -> None:
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    tensors = {
+        "norm": torch.ones(4),
+        "w": torch.ones(4, dtype=torch.bfloat16),
+        "layers.0.q_proj.weight": torch.ones(2),
+    }
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"a": 1, "c": 2}))
+    forward = load_mapping(f"weightmap 1\n{text}", name="f.wm")
+    invert(forward)  # the mapping alone inverts
+    with pytest.raises(MappingError, match="does not give back this checkpoint") as info:
+        weightmap.invert(forward, check=ckpt)
+    assert difference in [line.strip() for line in str(info.value).splitlines()]
+
+
+def test_checking_an_inverse_that_gives_everything_back() -> None:
+    forward = load_mapping(FORWARD, name="fwd.wm")
+    plan = compile_plan(forward, HEADERS, {"h": 4, "a": 1})
+    assert round_trip_problems(plan, invert(forward)) == []
+    assert weightmap.invert(forward, check=plan).text == invert(forward).text

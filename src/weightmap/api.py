@@ -138,15 +138,35 @@ def recover(root: PathLike) -> bool:
     return recover_folder(root)
 
 
-def invert(mapping: RuleMapping) -> RuleMapping:
+def invert(
+    mapping: RuleMapping,
+    *,
+    check: PathLike | Checkpoint | Plan | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> RuleMapping:
     """A mapping that undoes ``mapping``, or MappingError naming each rule that cannot be undone.
 
     Its ``text`` is generated source that parses back to it. See docs/language.md
-    ("Inversion") for which rules invert and how.
+    ("Inversion") for which rules invert and how. ``check``: a checkpoint (or the plan of
+    ``mapping`` against one, with ``params``) the inverse must give back: compiled against the
+    conversion's output, it must make the input's names, dtypes, shapes and config.json again,
+    or MappingError lists what differs (values are not compared; no tensor data is read).
     """
     from weightmap.compiler.inverse import invert as invert_mapping  # (see the imports)
+    from weightmap.compiler.inverse import round_trip_problems
 
-    return invert_mapping(mapping)
+    inverse = invert_mapping(mapping)
+    if check is None:
+        return inverse
+    given = _params(params)
+    plan = check if isinstance(check, Plan) else compile(check, mapping=mapping, params=given)
+    problems = round_trip_problems(plan, inverse, given)
+    if problems:
+        raise MappingError(
+            f"the inverse of {mapping.name} does not give back this checkpoint (what only a "
+            "checkpoint shows: see Inversion in docs/language.md):\n  " + "\n  ".join(problems)
+        )
+    return inverse
 
 
 def compile(

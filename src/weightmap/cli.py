@@ -300,7 +300,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_invert(args: argparse.Namespace) -> int:
-    print(invert(_named_mapping(args.mapping)).text.rstrip())
+    rules = _named_mapping(args.mapping)
+    if args.checkpoint is None:
+        print(invert(rules).text.rstrip())
+        return 0
+    check = compile_plan_for(args.checkpoint, mapping=rules, params=_params(args.set))
+    print(invert(rules, check=check, params=_params(args.set)).text.rstrip())
     return 0
 
 
@@ -459,6 +464,17 @@ def _parser() -> argparse.ArgumentParser:
 
     p = add_parser("invert", help="print the inverse of a mapping (file or preset)")
     p.add_argument("mapping", help=_MAPPING_HELP)
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        help="check that the inverse gives this checkpoint's names, dtypes, shapes and config back",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+    )
     p.set_defaults(func=_cmd_invert)
 
     p = add_parser("clean", help="remove what killed runs left in a folder")

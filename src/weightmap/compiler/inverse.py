@@ -36,6 +36,7 @@ from weightmap.language.parse import parse_program
 from weightmap.language.unparse import pattern_text, template_text, unparse
 from weightmap.language.values import TENSOR_NAMES
 from weightmap.plan.nodes import int_cast_fits
+from weightmap.plan.plan import Plan
 
 __all__ = ["invert", "invert_program", "lossless_cast"]
 
@@ -323,7 +324,10 @@ def _makers(stmts: tuple[A.Stmt, ...]) -> int:
     ``if`` block, the branch with more (only one runs)."""
     count = 0
     for st in stmts:
-        if isinstance(st, A.Rule) or (isinstance(st, A.Unmatched) and st.policy == "keep"):
+        if isinstance(st, A.Rule):
+            # A copy puts its source in the output beside the copies: two makers on its own.
+            count += 2 if st.op == "copy" else 1
+        elif isinstance(st, A.Unmatched) and st.policy == "keep":
             count += 1
         elif isinstance(st, A.If):
             count += max(_makers(st.then), _makers(st.orelse))  # (one branch runs)
@@ -424,3 +428,40 @@ def invert(mapping: Mapping) -> Mapping:
     text = unparse(program)
     name = f"{mapping.name} (inverse)"
     return from_program(name, text, parse_program(text, f"{mapping.name}.inverse"))
+
+
+def round_trip_problems(
+    plan: Plan, inverse: Mapping, params: dict[str, Any] | None = None, limit: int = 20
+) -> list[str]:
+    """How compiling ``inverse`` against ``plan``'s output fails to give back its input: each
+    tensor missing, made in excess, or of another dtype or shape, and each config.json field
+    that differs. Empty when names, dtypes, shapes and config come back; values are not
+    compared (no tensor data is read).
+
+    ``invert`` reads a mapping alone, so what only a checkpoint shows escapes it: a cast
+    ``"**" from bf16 to f32`` inverts to one from f32 to bf16, which would also narrow
+    tensors that were f32 before; a rename between two captures (``"{a}.{b}" -> "{a}_{b}"``)
+    reads ``x_y_z`` back one way only. This is the check against a checkpoint.
+    """
+    from weightmap.compiler.compile import compile_plan  # (compile imports this module's peers)
+    from weightmap.format.diff import config_diff
+
+    try:
+        back = compile_plan(inverse, plan.output_specs(), plan.config, params=params)
+    except MappingError as err:
+        return [f"the inverse does not compile against the output: {err}"]
+    want = {s.name: s for s in plan.inputs}
+    got = {s.name: s for s in back.output_specs()}
+    problems = [f"{n}: not given back" for n in sorted(want.keys() - got.keys())]
+    problems += [f"{n}: made, but no input has that name" for n in sorted(got.keys() - want.keys())]
+    for name in sorted(want.keys() & got.keys()):
+        a, b = want[name], got[name]
+        if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+            problems.append(
+                f"{name}: {a.dtype}{list(a.shape)} comes back as {b.dtype}{list(b.shape)}"
+            )
+    if plan.input_config is not None or back.config is not None:
+        problems += [f"config.json {d}" for d in config_diff(plan.input_config, back.config)]
+    if len(problems) > limit:
+        problems = [*problems[:limit], f"... and {len(problems) - limit} more"]
+    return problems
