@@ -381,3 +381,35 @@ def test_constants_at_the_compute_dtypes_limits_are_accepted() -> None:
     for rule in ('mul "a.weight" 1e39 in f64', 'add "a.weight" 65504 in f16',
                  'mul "a.weight" 3.4e38', 'add "a.weight" 9223372036854775807 in f64'):  # fmt: skip
         assert compile_text(rule + '\nkeep "**"\n').outputs
+
+
+@pytest.mark.parametrize(
+    ("rule", "names", "message"),
+    [
+        (
+            'merge "m.{i}.{gate,up}_proj.*" dim 0 -> "m.{i}.gate_up_proj.weight"',
+            [f"m.0.{p}_proj.{k}" for p in ("gate", "up") for k in ("bias", "weight")],
+            "member gate is matched by 2 tensors (`m.0.gate_proj.bias`, `m.0.gate_proj.weight`)",
+        ),
+        ('stack "e.{e:int}.**" -> "w"', ["e.0.a", "e.0.b", "e.1.a", "e.1.b"], "member e=0 is"),
+        ('merge "a.{i}.q", "a.{i}.*" dim 0 -> "a.{i}.m"', ["a.0.q", "a.0.k", "a.0.z"], "pattern 2"),
+    ],
+)
+def test_two_tensors_in_one_member_of_a_group_are_refused(
+    rule: str, names: list[str], message: str
+) -> None:
+    # The last of them took the place and the other was dropped: the biases of a fused
+    # gate_up vanished without a word.
+    with pytest.raises(MappingError, match="each member must be one tensor") as info:
+        compile_text(rule + "\n", [T(n, "F32", (2,)) for n in names])
+    assert message in str(info.value)
+
+
+def test_a_gap_in_an_int_group_is_counted_not_listed() -> None:
+    # e.0 beside e.99999999999999999999 overflowed range(); e.10000000 built a 100 MB message.
+    inputs = [T(n, "F32", (2,)) for n in ("e.0", "e.99999999999999999999")]
+    with pytest.raises(MappingError, match=r"missing e=1\.\.99999999999999999998 \(99,999"):
+        compile_text('stack "e.{e:int}" -> "w"\n', inputs)
+    inputs = [T(f"e.{i}", "F32", (2,)) for i in (0, 2, 3, 7, 9)]
+    with pytest.raises(MappingError, match=r"missing e=1, e=4\.\.6, e=8 \(5 in all\)"):
+        compile_text('stack "e.{e:int}" -> "w"\n', inputs)

@@ -172,14 +172,19 @@ def build_group(
         member = members.member
         for m in matches:
             groups.setdefault(key_of(m.caps), {})[member(m)] = m
+    if sum(map(len, groups.values())) != len(matches):
+        _refuse_shared_slots(members, matches, groups, report)
     tmpl = compile_template(rule.outputs[0])
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))
-        where = ", ".join(f"{k}={show(v)}" for k, v in caps.items())
-        where = f"group {where}" if where else "the group"
+        where = _group_label(caps)
         try:
             if members.kind == "int":
-                expected = list(range(max(by_member) + 1))
+                if max(by_member) >= len(by_member):
+                    # Counted, not listed: `e.0` beside `e.99999999999999999999` is one gap.
+                    gaps = _gaps(members, by_member)
+                    raise RuleProblem(f"{where} is incomplete: missing {gaps}")
+                expected = list(range(len(by_member)))
             elif members.kind == "words":
                 expected = list(range(len(members.words)))
             else:
@@ -191,6 +196,58 @@ def build_group(
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
             report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
+
+
+def _group_label(caps: dict[str, Any]) -> str:
+    where = ", ".join(f"{k}={show(v)}" for k, v in caps.items())
+    return f"group {where}" if where else "the group"
+
+
+def _refuse_shared_slots(
+    members: Members,
+    matches: list[Match],
+    groups: dict[tuple[Any, ...], dict[Any, Match]],
+    report: Callable[[A.Loc | None, str], None],
+) -> None:
+    """Report, and leave out, each group where two tensors fill one member's place (a glob
+    in the pattern: ``m.{i}.{gate,up}_proj.*`` takes the weight and the bias). Keeping the
+    last of them, as a dict does, merged one and silently dropped the other."""
+    key_of = _key_of(members.key)
+    slots: dict[tuple[Any, ...], dict[Any, list[str]]] = {}
+    for m in matches:
+        value = members.member(m)
+        slots.setdefault(key_of(m.caps), {}).setdefault(value, []).append(m.spec.name)
+    for key, by_member in slots.items():
+        shared = [(v, names) for v, names in by_member.items() if len(names) > 1]
+        if not shared:
+            continue
+        value, names = shared[0]
+        where = _group_label(dict(zip(members.key, key, strict=True)))
+        shown = ", ".join(f"`{n}`" for n in names[:4]) + (" ..." if len(names) > 4 else "")
+        report(
+            None,
+            f"{where}: member {members.label(value)} is matched by {len(names)} tensors"
+            f" ({shown}); each member must be one tensor: narrow the pattern (a glob takes"
+            " them all), or capture what tells them apart",
+        )
+        del groups[key]
+
+
+def _gaps(members: Members, present: dict[Any, Match]) -> str:
+    """The missing members 0..max of an int group, as ranges: at most five, and a count."""
+    ranges: list[str] = []
+    missing = gaps = expect = 0
+    for value in sorted(present):
+        if value > expect:
+            missing += value - expect
+            gaps += 1
+            if gaps <= 5:
+                last = f"..{value - 1}" if value - 1 > expect else ""
+                ranges.append(f"{members.label(expect)}{last}")
+        expect = value + 1
+    more = " ..." if gaps > 5 else ""
+    total = f" ({missing:,} in all)" if missing > len(ranges) else ""
+    return ", ".join(ranges) + more + total
 
 
 def _key_of(names: Sequence[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
