@@ -190,3 +190,36 @@ def test_checking_an_inverse_that_gives_everything_back() -> None:
     plan = compile_plan(forward, HEADERS, {"h": 4, "a": 1})
     assert round_trip_problems(plan, invert(forward)) == []
     assert weightmap.invert(forward, check=plan).text == invert(forward).text
+
+
+@pytest.mark.parametrize(
+    ("text", "inputs"),
+    [
+        # The inverse of a stack or merge dropped its where, and took the groups it had left
+        # alone: l.b.w was unstacked into l.b.e.0..1, x.b.qk split.
+        (
+            'stack "l.{g}.e.{i:int}" over i -> "l.{g}.w" where g == "a"\nunmatched keep\n',
+            [T("l.a.e.0", "F32", (2,)), T("l.a.e.1", "F32", (2,)), T("l.b.w", "F32", (2, 2))],
+        ),
+        (
+            'merge "x.{g}.{p:q,k}" dim 0 sizes [2, 2] -> "x.{g}.qk" where g == "a"\n'
+            "unmatched keep\n",
+            [T("x.a.q", "F32", (2,)), T("x.a.k", "F32", (2,)), T("x.b.qk", "F32", (4,))],
+        ),
+        # A copy's where read the capture unshifted: b.2 (from a.1) survived the round trip.
+        (
+            'copy "a.{n:int}" -> "b.{n + 1}" where n < 2\nunmatched keep\n',
+            [T("a.0", "F32", (2,)), T("a.1", "F32", (2,)), T("a.2", "F32", (2,))],
+        ),
+    ],
+)
+def test_a_where_on_a_group_or_copy_is_carried_to_the_inverse(text: str, inputs: list[T]) -> None:
+    forward = load_mapping(f"weightmap 1\n{text}", name="w.wm")
+    plan = compile_plan(forward, inputs, None)
+    assert round_trip_problems(plan, invert(forward)) == []
+
+
+def test_a_where_on_a_member_capture_is_refused() -> None:
+    text = 'stack "l.{g}.e.{i:int}" over i -> "l.{g}.w" where i < 3\nunmatched keep\n'
+    with pytest.raises(MappingError, match="reads a member's capture"):
+        invert(load_mapping(f"weightmap 1\n{text}", name="w.wm"))

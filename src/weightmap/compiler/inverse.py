@@ -125,6 +125,19 @@ def _to_pattern(t: A.Template, caps: dict[str, A.Capture]) -> tuple[A.Pattern, d
     return _pattern(parts), subst
 
 
+def _names_in(e: Any) -> set[str]:
+    """The names an expression reads."""
+    if isinstance(e, A.Name):
+        return {e.id}
+    found: set[str] = set()
+    if dataclasses.is_dataclass(e) and not isinstance(e, type):
+        for f in dataclasses.fields(e):
+            v = getattr(e, f.name)
+            for x in v if isinstance(v, tuple) else (v,):
+                found |= _names_in(x)
+    return found
+
+
 def _subst(e: Any, subst: dict[str, A.Expr], caps: set[str]) -> Any:
     """Rewrite a ``where`` for the inverse: captures through ``subst``; tensor facts refused."""
     if isinstance(e, A.Name):
@@ -191,11 +204,15 @@ def _invert_rule(r: A.Rule) -> A.Rule:
     if op == "copy":
         # Fan-out: the source goes on as it is, so undoing it is dropping the copies.
         (p,) = r.patterns
-        copies = []
+        copies, substs = [], []
         for t in r.outputs:
-            back, _subst_unused = _to_pattern(t, caps)
+            back, subst = _to_pattern(t, caps)
             copies.append(back)
-        where = _subst(r.where, {}, set(caps)) if r.where is not None else None
+            substs.append(subst)
+        if r.where is not None and any(x != substs[0] for x in substs):
+            raise _Refuse("its copies shift captures differently, so one `where` cannot read them")
+        # The where reads the copy's captures, rewritten as its name wrote them ({n + 1}).
+        where = _subst(r.where, substs[0], set(caps)) if r.where is not None else None
         return A.Rule(op="drop", optional=r.optional, patterns=tuple(copies), where=where,
                       outputs=(), loc=r.loc)  # fmt: skip
     if op in ("rename", "transpose", "permute", "reshape", "cast"):
@@ -252,14 +269,20 @@ def _invert_rule(r: A.Rule) -> A.Rule:
             raise _Refuse("the unstack output needs exactly one index name, e.g. {e}")
         var = free[0]
         new_p, subst = _to_pattern(r.outputs[0], {**caps, var: A.Capture(var, "int")})
+        where = _subst(r.where, subst, set(caps)) if r.where is not None else None
         return A.Rule(op="stack", optional=r.optional, patterns=(new_p,), over=var, dim=r.dim,
-                      outputs=(_to_template(p, subst),), loc=r.loc)  # fmt: skip
+                      outputs=(_to_template(p, subst),), where=where, loc=r.loc)  # fmt: skip
     return _invert_group(r, caps)
 
 
 def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
     used = template_names(r.outputs[0])
     new_p, subst = _to_pattern(r.outputs[0], caps)
+    # A `where` on a group reads the captures that name the group (those the output uses);
+    # dropped, the inverse took groups the forward rule had left alone.
+    if r.where is not None and _names_in(r.where) & (set(caps) - used):
+        raise _Refuse("its `where` reads a member's capture, which the inverse has no more")
+    where = _subst(r.where, subst, used) if r.where is not None else None
     if r.op == "stack":
         free = [c for c in caps.values() if c.name not in used]
         if len(r.patterns) != 1 or len(free) != 1 or free[0].kind != "int":
@@ -267,7 +290,7 @@ def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
         var = free[0].name
         out = _to_template(r.patterns[0], {**subst, var: A.Name(id=var)})
         return A.Rule(op="unstack", optional=r.optional, patterns=(new_p,), dim=r.dim,
-                      outputs=(out,), loc=r.loc)  # fmt: skip
+                      outputs=(out,), where=where, loc=r.loc)  # fmt: skip
     if r.sizes is None:
         raise _Refuse("merge needs `sizes [...]` to know where to split again")
     members: list[A.Pattern] = list(r.patterns)
@@ -285,7 +308,7 @@ def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
         members = [_pattern([*p.parts[:i], w, *p.parts[i + 1 :]]) for w in words]
     outs = tuple(_to_template(m, subst) for m in members)
     return A.Rule(op="split", optional=r.optional, patterns=(new_p,), outputs=outs, dim=r.dim,
-                  sizes=r.sizes, loc=r.loc)  # fmt: skip
+                  sizes=r.sizes, where=where, loc=r.loc)  # fmt: skip
 
 
 def _file_pattern(p: A.Pattern) -> A.FilePattern:
