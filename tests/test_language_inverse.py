@@ -223,3 +223,17 @@ def test_a_where_on_a_member_capture_is_refused() -> None:
     text = 'stack "l.{g}.e.{i:int}" over i -> "l.{g}.w" where i < 3\nunmatched keep\n'
     with pytest.raises(MappingError, match="reads a member's capture"):
         invert(load_mapping(f"weightmap 1\n{text}", name="w.wm"))
+
+
+@pytest.mark.parametrize("dims", ["3", '"ab"', "[-1, 0, 1]", "[0, 0]"])
+def test_permute_dims_that_are_no_permutation_are_refused_not_crashed(dims: str) -> None:
+    # dims 3 raised a raw TypeError; [-1, 0, 1] "2 is not in list".
+    with pytest.raises(MappingError, match=r"must list 0\.\.n-1 once each"):
+        invert(load_mapping(f'weightmap 1\npermute "x" dims {dims}\n', name="p.wm"))
+
+
+def test_invert_takes_rule_text_as_every_entry_point_does() -> None:
+    text = weightmap.invert('weightmap 1\nrename "a.{x}" -> "b.{x}"\n').text
+    assert text.strip().splitlines()[-1] == 'rename "b.{x}" -> "a.{x}"'
+    with pytest.raises(MappingError, match="cannot invert this config block"):
+        weightmap.invert('weightmap 1\nconfig { x = 1 }\nkeep "x"\n')

@@ -413,3 +413,22 @@ def test_a_gap_in_an_int_group_is_counted_not_listed() -> None:
     inputs = [T(f"e.{i}", "F32", (2,)) for i in (0, 2, 3, 7, 9)]
     with pytest.raises(MappingError, match=r"missing e=1, e=4\.\.6, e=8 \(5 in all\)"):
         compile_text('stack "e.{e:int}" -> "w"\n', inputs)
+
+
+def test_listings_take_any_name() -> None:
+    # A segment that is literally `#` (the listing's own marker for numbers) and a capture
+    # holding ", " (how group keys were split) crashed the problem listings.
+    names = [T("a.#.b", "F32", (2,)), T("a.1.b", "F32", (2,))]
+    with pytest.raises(MappingError, match=r"a\.#\.b"):
+        compile_text('keep? "zz"\n', names)
+    with pytest.raises(MappingError, match="unknown name `q`"):
+        compile_text('rename "{x}.{y}.{z}" -> "{q}"\n', names)
+    odd = [T(n, "F32", (2,)) for n in ("a, b.q", "c, d.q", "e.k")]
+    with pytest.raises(MappingError, match="is incomplete"):
+        compile_text('merge "{x*}.q", "{x*}.k" dim 0 -> "{x}.m"\n', odd)
+
+
+def test_a_float_literal_too_large_for_a_float_is_a_syntax_error() -> None:
+    # 1e999 became inf: no JSON value, and written back by invert as `inf.0`.
+    with pytest.raises(MappingSyntaxError, match="number 1e999 is too large for a float"):
+        load_mapping('weightmap 1\nparam p = 1e999\nkeep "x"\n', name="t.wm")

@@ -139,7 +139,7 @@ def recover(root: PathLike) -> bool:
 
 
 def invert(
-    mapping: RuleMapping,
+    mapping: PathLike | RuleMapping,
     *,
     check: PathLike | Checkpoint | Plan | None = None,
     params: Mapping[str, Any] | None = None,
@@ -155,15 +155,16 @@ def invert(
     from weightmap.compiler.inverse import invert as invert_mapping  # (see the imports)
     from weightmap.compiler.inverse import round_trip_problems
 
-    inverse = invert_mapping(mapping)
+    rules = resolve_mapping(None, mapping)  # a file, rule text or a loaded mapping, as elsewhere
+    inverse = invert_mapping(rules)
     if check is None:
         return inverse
     given = _params(params)
-    plan = check if isinstance(check, Plan) else compile(check, mapping=mapping, params=given)
+    plan = check if isinstance(check, Plan) else compile(check, mapping=rules, params=given)
     problems = round_trip_problems(plan, inverse, given)
     if problems:
         raise MappingError(
-            f"the inverse of {mapping.name} does not give back this checkpoint (what only a "
+            f"the inverse of {rules.name} does not give back this checkpoint (what only a "
             "checkpoint shows: see Inversion in docs/language.md):\n  " + "\n  ".join(problems)
         )
     return inverse

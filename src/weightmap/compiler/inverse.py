@@ -229,6 +229,14 @@ def _invert_rule(r: A.Rule) -> A.Rule:
         new = rep(r, patterns=(new_p,), outputs=outs, where=where)
         if op == "permute":
             perm = _const(r.dims)
+            # Negative dims count from the end: which dim they are depends on the rank.
+            if not isinstance(perm, list) or sorted(map(str, perm)) != sorted(
+                map(str, range(len(perm)))
+            ):
+                raise _Refuse(
+                    f"dims {perm!r} must list 0..n-1 once each, as constants, to invert"
+                    " (negative dims depend on the tensor's rank)"
+                )
             inv = [perm.index(i) for i in range(len(perm))]
             return rep(new, dims=A.ListExpr(items=tuple(A.Lit(value=x) for x in inv)))
         if op == "transpose" and r.dims is not None:
@@ -424,6 +432,8 @@ def _kind(st: A.Stmt) -> str:
         return "files block"
     if isinstance(st, A.ConfigFrom):
         return "config from"
+    if isinstance(st, A.ConfigBlock):
+        return "config block"
     return st.op if isinstance(st, A.Rule) else type(st).__name__.lower()
 
 

@@ -35,8 +35,11 @@ def _names(names: list[str]) -> str:
 
 def _group_keys(keys: list[str]) -> str:
     """``["n=0", "n=1", "n=5"]`` -> ``n={0,1,5}`` (or ``n=0..1,5``): captures with ranges."""
-    split = [dict(part.split("=", 1) for part in k.split(", ")) for k in keys]
-    if not all(s.keys() == split[0].keys() for s in split):
+    try:
+        split = [dict(part.split("=", 1) for part in k.split(", ")) for k in keys]
+    except ValueError:  # a captured value holding ", " (names may): listed as they are
+        split = []
+    if not split or not all(s.keys() == split[0].keys() for s in split):
         return ", ".join(keys[:3]) + (" ..." if len(keys) > 3 else "")
     parts = []
     for cap in split[0]:

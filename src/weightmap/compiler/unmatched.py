@@ -43,12 +43,13 @@ def ranges(values: set[int]) -> str:
 
 def compact_names(names: list[str]) -> list[str]:
     """Group names by their non-numeric shape; one line per group, in first-seen order."""
-    groups: dict[tuple[str, ...], list[set[int]]] = {}
-    counts: dict[tuple[str, ...], int] = {}
+    # None marks a numeric segment: no segment of a name can be None (a "#" can: `a.#.b`).
+    groups: dict[tuple[str | None, ...], list[set[int]]] = {}
+    counts: dict[tuple[str | None, ...], int] = {}
     for name in names:
         segs = name.split(".")
-        key = tuple("#" if _number(s) else s for s in segs)
-        nums = [int(s) for s, k in zip(segs, key, strict=True) if k == "#"]
+        key = tuple(None if _number(s) else s for s in segs)
+        nums = [int(s) for s, k in zip(segs, key, strict=True) if k is None]
         slots = groups.setdefault(key, [set() for _ in nums])
         for slot, n in zip(slots, nums, strict=True):
             slot.add(n)
@@ -58,7 +59,7 @@ def compact_names(names: list[str]) -> list[str]:
         it = iter(slots)
         text = ".".join(
             (lambda r: r if "," not in r and ".." not in r else "{" + r + "}")(ranges(next(it)))
-            if k == "#"
+            if k is None
             else k
             for k in key
         )

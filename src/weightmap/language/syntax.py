@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from typing import Any, NoReturn
 
@@ -209,7 +210,10 @@ class _Builder:
                 syntax_error(self.text, loc, f"integer literal has over {MAX_INT_DIGITS} digits")
             return A.Lit(value=int(c[0]), loc=loc)
         if kind == "float":
-            return A.Lit(value=float(c[0]), loc=loc)
+            value = float(c[0])
+            if not math.isfinite(value):  # 1e999: no JSON value, and no literal to write back
+                syntax_error(self.text, loc, f"number {c[0]} is too large for a float")
+            return A.Lit(value=value, loc=loc)
         if kind == "string":
             return A.Lit(value=self.string(c[0]), loc=loc)
         if kind in ("true", "false", "null"):
