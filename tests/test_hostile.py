@@ -1054,6 +1054,9 @@ def test_overwrite_replaces_an_old_output_folder_only(
         assert dest.read_text() == "my notes\n"
     result = _run("convert", str(ckpt), str(dest), "--preset", "eagle3-sglang", "--overwrite")
     assert result.returncode == 1 and "not a folder" in result.stderr
+    # Without --overwrite the first message says so too, rather than suggest --overwrite.
+    result = _run("convert", str(ckpt), str(dest), "--preset", "eagle3-sglang")
+    assert result.returncode == 1 and "not a folder" in result.stderr
 
 
 def test_control_characters_from_a_checkpoint_are_escaped_on_the_terminal(

@@ -164,17 +164,19 @@ def check_destination(
             f"{dest} is a symbolic link (to {target}, {what}); remove it, or pass "
             "overwrite=True (--overwrite) to replace the link"
         )
+    if dest.exists() and not dest.is_symlink() and not dest.is_dir():
+        # overwrite replaces an old output, which is a folder; a file, FIFO or device
+        # under the name is something else (as root, /dev/null would be replaced). Said
+        # first, with or without overwrite: suggesting it would only lead here.
+        kind = "file" if dest.is_file() else "special file (a FIFO, socket or device)"
+        raise OutputExistsError(
+            f"{dest} is a {kind}, not a folder: the output is a folder, and overwrite=True "
+            "(--overwrite) replaces an old output folder only; remove it yourself or choose "
+            "another destination"
+        )
     if dest.exists() and not overwrite:
         raise OutputExistsError(
             f"{dest} already exists; pass overwrite=True (--overwrite) to replace it"
-        )
-    if dest.exists() and not dest.is_symlink() and not dest.is_dir():
-        # overwrite replaces an old output, which is a folder; a file, FIFO or device
-        # under the name is something else (as root, /dev/null would be replaced).
-        kind = "file" if dest.is_file() else "special file (a FIFO, socket or device)"
-        raise OutputExistsError(
-            f"{dest} is a {kind}, not a folder: overwrite=True (--overwrite) replaces "
-            "an old output folder only; remove it yourself or choose another destination"
         )
     if dest.exists() and (why := removal_problem(dest)) is not None:
         # Checked now: after the swap the new output would be in place and the old one
