@@ -286,6 +286,25 @@ def test_check(example: Path, tmp_path: Path) -> None:
     partial.write_text('weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\n')
     r = run("check", str(partial), str(example))
     assert r.returncode == 2 and "fc.weight" in r.stderr
+    # The checkpoint where the mapping goes was "no preset named ..."; --set without a
+    # checkpoint was not checked.
+    r = run("check", str(example), str(good))
+    assert r.returncode == 2 and "is a folder, not a mapping file or a preset" in r.stderr
+    r = run("check", str(good), "--set", "=x")
+    assert r.returncode == 2 and "--set takes KEY=VALUE" in r.stderr
+
+
+def test_invert_checked_against_a_checkpoint(example: Path, tmp_path: Path) -> None:
+    good = tmp_path / "good.wm"
+    good.write_text('weightmap 1\nrename "layers.0.{r*}" -> "midlayer.{r}"\nunmatched keep\n')
+    r = run("invert", str(good), str(example))
+    assert r.returncode == 0 and 'rename "midlayer.{r*}" -> "layers.0.{r}"' in r.stdout
+    # d2t is I64 already: the inverse cast would narrow it to I32.
+    cast = tmp_path / "cast.wm"
+    cast.write_text('weightmap 1\ncast? "**" from i32 to i64\nunmatched keep\n')
+    r = run("invert", str(cast), str(example))
+    assert r.returncode == 2 and "does not give back this checkpoint" in r.stderr
+    assert "d2t: I64" in r.stderr
 
 
 def test_invert(tmp_path: Path) -> None:

@@ -92,6 +92,12 @@ def _named_mapping(spec: str) -> Mapping:
     if Path(spec).exists() and not Path(spec).is_dir():
         # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
+    if Path(spec).is_dir() and spec not in preset_names():
+        # Likely a checkpoint given where the mapping goes (`check CKPT MAPPING`).
+        raise UsageError(
+            f"{spec} is a folder, not a mapping file or a preset; give the mapping first, "
+            "then the checkpoint"
+        )
     if spec not in preset_names() and ("/" in spec or spec.endswith(".wm")):
         raise UsageError(
             f"{spec}: no such mapping file (and no preset by that name; presets: "
@@ -290,6 +296,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     rules = _named_mapping(args.mapping)
+    _params(args.set)  # checked with or without a checkpoint, as plan and convert check them
     if args.checkpoint is None:
         print(f"{args.mapping}: parses; give a checkpoint to check it against one")
         return 0
