@@ -219,3 +219,14 @@ def test_file_changed_after_open_is_detected(tmp_path: Path) -> None:
         f.write(b"\0" * 8)
     with pytest.raises(FormatError, match="changed since it was opened"):
         ckpt.view("a")
+
+
+def test_a_config_integer_python_will_not_read_is_named_with_a_fix(tmp_path: Path) -> None:
+    # Valid JSON: the message said "not valid JSON" and advised sys.set_int_max_str_digits().
+    from weightmap.format.text import read_json_file
+
+    path = tmp_path / "config.json"
+    path.write_text('{"x": ' + "9" * 5000 + "}")
+    with pytest.raises(CheckpointError, match="holds an integer of more than 4300 digits") as info:
+        read_json_file(path, "config.json")
+    assert "set_int_max_str_digits" not in str(info.value) and info.value.rule == "json"

@@ -213,7 +213,10 @@ def _check_arguments(params: Any, config: Any) -> None:
         raise MappingError(f"params must be a dict of name to value, not {type(params).__name__}")
     if config is not None and (not isinstance(config, dict) or json_problem(config) is not None):
         why = "is not an object" if not isinstance(config, dict) else json_problem(config)
-        raise MappingError(f"the checkpoint's config {why}")
+        raise MappingError(
+            f"the checkpoint's config {why}: fix the file it was read from (config.json, or"
+            " the mapping's `config from` file), since the output's config.json must be JSON"
+        )
 
 
 def _compile(

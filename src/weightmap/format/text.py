@@ -14,6 +14,7 @@ import math
 import os
 import re
 import stat
+import sys
 from collections.abc import Iterable
 from itertools import accumulate
 from pathlib import Path
@@ -316,6 +317,15 @@ def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> A
     except UnicodeDecodeError:
         raise CheckpointError(f"{what} is not UTF-8", path=path, rule="json") from None
     except (ValueError, RecursionError) as exc:
+        if "integer string conversion" in str(exc):
+            # Valid JSON that Python will not turn into an int (its advice names a Python
+            # call, which is no help to whoever runs the command).
+            raise CheckpointError(
+                f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits,"
+                " far past any real value: fix the file",
+                path=path,
+                rule="json",
+            ) from None
         raise CheckpointError(f"{what} is not valid JSON ({exc})", path=path, rule="json") from None
     if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise CheckpointError(
