@@ -1085,6 +1085,33 @@ def test_control_characters_from_a_checkpoint_are_escaped_on_the_terminal(
     assert json.loads(doc.stdout)["tensors"][0]["name"] == "d\x7fe\x85l"
 
 
+def test_a_name_with_a_line_break_stays_one_row_in_listings(tmp_path: Path) -> None:
+    # "a\nline" printed raw read as two tensors, `a` and `line`, in inspect, diff and plan.
+    from safetensors.numpy import save_file
+
+    names = ["a\nline", "b\u2028c", "d\u202ee"]
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        kept = names if side == "a" else names[:1]
+        save_file(
+            {n: np.zeros(2, np.float32) for n in kept}, str(tmp_path / side / "model.safetensors")
+        )
+    shown = _run("inspect", str(tmp_path / "a"))
+    assert shown.returncode == 0, shown.stderr
+    rows = shown.stdout.splitlines()
+    assert len(rows) == 5 and "a\\nline" in rows[1] and "b\\u2028c" in rows[2]
+    assert "d\\u202ee" in rows[3]
+    compared = _run("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert "only in A: b\\u2028c" in compared.stdout.splitlines()
+    rules = tmp_path / "m.wm"
+    rules.write_text('weightmap 1\ndrop "{x*}"\n')  # (such names cannot be output names)
+    planned = _run("plan", str(tmp_path / "a"), "--mapping", str(rules))
+    assert planned.returncode == 0, planned.stderr
+    rows = planned.stdout.splitlines()
+    assert f"  dropped a\\nline  ({rules}:2:1)" in rows
+    assert f"  dropped b\\u2028c  ({rules}:2:1)" in rows
+
+
 def test_a_fifo_as_the_mapping_is_named_as_such(ckpt: Path, tmp_path: Path) -> None:
     fifo = tmp_path / "rules.wm"
     os.mkfifo(fifo)

@@ -23,7 +23,7 @@ from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, 
 from weightmap.format.atomic import remove_path, temporaries
 from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
-from weightmap.format.text import JsonRefused, json_problem, printable, strict_json
+from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
@@ -211,6 +211,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(json.dumps(doc, indent=2, allow_nan=False))
             return 0
         rows.sort(key=lambda r: r[0])
+        # Escaped before the widths are taken: a name with a line break stays one row.
+        rows = [(one_line(n), d, sh, b, one_line(f)) for n, d, sh, b, f in rows]
         shapes = [str(r[2]) for r in rows]
         w_name = max([len(r[0]) for r in rows] + [4])
         w_shape = max([len(s) for s in shapes] + [5])
@@ -227,15 +229,15 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
         d = diff_checkpoints(a, b)
     for name in d.only_a:
-        print(f"only in A: {name}")
+        print(f"only in A: {one_line(name)}")
     for name in d.only_b:
-        print(f"only in B: {name}")
+        print(f"only in B: {one_line(name)}")
     for name, x, y in d.changed:
-        print(f"changed:   {name}: {x} -> {y}")
+        print(f"changed:   {one_line(name)}: {x} -> {y}")
     for name in d.bytes_differ:
-        print(f"bytes differ: {name}")
+        print(f"bytes differ: {one_line(name)}")
     for line in d.config:
-        print(f"config {line}")
+        print(f"config {one_line(line)}")
     # Each kind counted apart: a renamed tensor is one only in A and one only in B, not two
     # of one kind, and a sum would count it twice against the tensors either side holds.
     kinds = [

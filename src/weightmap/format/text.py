@@ -33,6 +33,7 @@ __all__ = [
     "json_depth",
     "json_problem",
     "nesting_exceeds",
+    "one_line",
     "read_json_file",
     "redacted",
     "same_json",
@@ -70,6 +71,22 @@ def printable(text: str) -> str:
     'a\\x1b]0;pwned\\x07b'
     """
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+# What would break a one-line listing: line and paragraph breaks (U+0085, U+2028, U+2029),
+# tab, and the bidirectional overrides and isolates that reorder what follows them.
+_BREAKS = re.compile("[\t\n\r\x85\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def one_line(text: str) -> str:
+    r"""``text`` as ``printable`` writes it, and with line breaks, tabs and bidirectional
+        controls as escapes too: a name in a table or a listing stays one row, as it reads.
+
+        >>> one_line("a
+    b‮c")
+        'a\nb\u202ec'
+    """
+    return _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode(), printable(text))
 
 
 def human_size(n: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from weightmap.format.text import field_path
+from weightmap.format.text import field_path, one_line
 from weightmap.plan.nodes import (
     Arith,
     Binary,
@@ -90,16 +90,18 @@ def explain(plan: Plan) -> str:
     for out in plan.outputs:
         srcs = out.node.sources()
         first = inputs[srcs[0].name]
-        src = f"{first.name} {_shape(first.dtype, first.shape)}"
+        # Names escaped before the widths are taken: one with a line break stays one row.
+        src = f"{one_line(first.name)} {_shape(first.dtype, first.shape)}"
         if len(srcs) > 1:
             src += f" (+{len(srcs) - 1} more)"
-        rows.append((src, _op(out.node), f"{out.name} {_shape(out.node.dtype, out.node.shape)}"))
+        made = f"{one_line(out.name)} {_shape(out.node.dtype, out.node.shape)}"
+        rows.append((src, _op(out.node), made))
     if rows:
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
     for d in plan.dropped:
-        lines.append(f"  dropped {d.name}  ({d.origin})")
+        lines.append(f"  dropped {one_line(d.name)}  ({d.origin})")
     lines += side_files(plan)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
@@ -120,10 +122,10 @@ def side_files(plan: Plan) -> list[str]:
         if f.source is None:
             how = f"added ({f.origin})"
         elif f.source != f.name:
-            how = f"from {f.source} ({f.origin})"
+            how = f"from {one_line(f.source)} ({f.origin})"
         else:
             how = "carried"
-        lines.append(f"  file {f.name}  {f.size:,} bytes, {how}")
+        lines.append(f"  file {one_line(f.name)}  {f.size:,} bytes, {how}")
     return lines
 
 
