@@ -432,3 +432,12 @@ def test_a_float_literal_too_large_for_a_float_is_a_syntax_error() -> None:
     # 1e999 became inf: no JSON value, and written back by invert as `inf.0`.
     with pytest.raises(MappingSyntaxError, match="number 1e999 is too large for a float"):
         load_mapping('weightmap 1\nparam p = 1e999\nkeep "x"\n', name="t.wm")
+
+
+def test_reserved_capture_names_and_c1_controls_in_output_names_are_refused() -> None:
+    # {_alt0} clashed with the compiler's name for an unnamed alternative: a raw re.error.
+    with pytest.raises(MappingSyntaxError, match="capture name _alt0 is reserved"):
+        load_mapping('weightmap 1\nrename "{_alt0}.{a,b}" -> "{_alt0}"\n', name="t.wm")
+    # U+0085 (NEL) and the other C1 controls were let through into output names.
+    with pytest.raises(MappingError, match="contains control characters"):
+        compile_text('rename "{x*}" -> "a\u0085{x}"\n')

@@ -26,9 +26,10 @@ from weightmap.plan.plan import OutputTensor
 __all__ = ["MAX_NAME_CHARS", "bad_name", "check_names"]
 
 MAX_NAME_CHARS = 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0, DEL and C1 (U+0080-U+009F, which some terminals read as escape sequences).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # Control characters or a lone surrogate (see is_utf8): what no output name may hold.
-_UNWRITABLE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+_UNWRITABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def bad_name(name: str) -> str | None:

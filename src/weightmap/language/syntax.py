@@ -31,6 +31,8 @@ LANGUAGE_VERSION = 1
 # Hostile-input bounds: far beyond real mappings (a u64 has 20 digits; real expressions nest
 # a few levels), well inside Python's int-parsing and recursion limits.
 MAX_INT_DIGITS = 100
+# The names the compiler gives unnamed alternatives ({a,b}) in a pattern's regex.
+_RESERVED_CAPTURE = re.compile(r"_alt[0-9]+")
 MAX_EXPR_DEPTH = 100
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -103,6 +105,11 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "") -> A.Pattern:
                 off,
                 f"bad capture {{{piece}}}",
                 "captures are {name}, {name*}, {name:int}, {name:a,b} or {a,b}",
+            )
+        elif _RESERVED_CAPTURE.fullmatch(name):
+            # The compiler names unnamed alternatives {a,b} so, in the same regex.
+            _in_string_error(
+                source, loc, off, f"capture name {name} is reserved", "rename it, e.g. {alt0}"
             )
         elif spec.strip() == "int" and not multi:
             part = A.Capture(name, "int")
