@@ -364,3 +364,16 @@ def test_clean_goes_on_past_a_leftover_it_cannot_remove(
     assert f"could not remove {stuck}: Permission denied" in out.err
     assert f"removed {dead}" in out.out
     assert stuck.exists() and not dead.exists()
+
+
+def test_plan_json_refuses_what_strict_json_cannot_hold(example: Path, tmp_path: Path) -> None:
+    # A side file whose name is not UTF-8 came out as a lone surrogate escape, which strict
+    # JSON readers (and weightmap's own) refuse.
+    src = tmp_path / "src"
+    shutil.copytree(example, src)
+    Path(os.fsdecode(os.fsencode(src) + b"/\xffbad.txt")).write_text("x")
+    r = run("plan", str(src), "--preset", "eagle3-sglang", "--json")
+    assert r.returncode == 1 and r.stdout == ""
+    assert "lone surrogate at `files." in r.stderr and "strict JSON only" in r.stderr
+    r = run("plan", str(src), "--preset", "eagle3-sglang", "--json", "--no-side-files")
+    assert r.returncode == 0 and json.loads(r.stdout)["outputs"]

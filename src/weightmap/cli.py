@@ -172,7 +172,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         side_files=not args.no_side_files,
     )
     if args.json:
-        print(plan.to_json(indent=2))
+        doc = plan.to_dict()
+        why = json_problem(doc)
+        if why is not None:
+            # Python's json would write a lone surrogate escape (a side file whose name is not
+            # UTF-8), which strict JSON readers refuse: said, as inspect --json says it.
+            raise CheckpointError(
+                f"the plan {why}; plan --json prints strict JSON only: rename the file (or plan "
+                "without --json)",
+                path=Path(str(args.src)),
+                rule="json",
+            )
+        print(json.dumps(doc, indent=2))
         return 0
     _warn(plan)
     print(_summary(plan))
