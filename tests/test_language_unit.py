@@ -39,8 +39,11 @@ def test_optional_rule_may_match_nothing() -> None:
 def test_params_override_and_type_check() -> None:
     text = 'param p = "x"\nrename "a.weight" -> "{p}.a"\nkeep "b.weight"\n'
     assert compile_text(text, p="y").outputs[0].name == "y.a"
-    with pytest.raises(MappingError, match="param 'p' takes a str"):
+    with pytest.raises(MappingError, match="param 'p' takes a string like its default \"x\""):
         compile_text(text, p=3)
+    # In JSON's words: "got None" said nothing to whoever typed --set p=null.
+    with pytest.raises(MappingError, match=r"got null \(with --set the value is read"):
+        compile_text(text, p=None)
 
 
 def test_param_conditional_blocks() -> None:

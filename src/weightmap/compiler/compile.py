@@ -38,7 +38,7 @@ from weightmap.format.text import json_problem
 from weightmap.language import ast as A
 from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
-from weightmap.language.values import EvalError, Scope, truth
+from weightmap.language.values import EvalError, Scope, truth, type_name
 from weightmap.plan.nodes import Node, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
@@ -123,9 +123,15 @@ class _Compiler:
                 # Checked first: repr() of a 5000-digit int raises ValueError.
                 self.report(self.mapping.param_locs[name], f"param {name!r}: {why}")
             elif type(value) is not type(values[name]) and values[name] is not None:
+                # In JSON's words, with the default as the example: `--set` reads JSON, and
+                # "got None" or "takes a str" says nothing to whoever typed null or lm_head.
+                default = json.dumps(values[name])
+                got = "null" if value is None else f"the {type_name(value)} {json.dumps(value)}"
                 self.report(
                     self.mapping.param_locs[name],
-                    f"param {name!r} takes a {type(values[name]).__name__}, got {value!r}",
+                    f"param {name!r} takes a {type_name(values[name])} like its default"
+                    f" {default[:80]}, got {got[:80]}"
+                    f" (with --set the value is read as JSON: --set '{name}={default[:80]}')",
                 )
             else:
                 values[name] = value
