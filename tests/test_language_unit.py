@@ -444,3 +444,11 @@ def test_reserved_capture_names_and_c1_controls_in_output_names_are_refused() ->
     # U+0085 (NEL) and the other C1 controls were let through into output names.
     with pytest.raises(MappingError, match="contains control characters"):
         compile_text('rename "{x*}" -> "a\u0085{x}"\n')
+
+
+def test_a_capture_named_like_a_param_is_the_capture_in_a_stack_output() -> None:
+    inputs = [T("x.0.w", "F32", (2,)), T("x.1.w", "F32", (2,))]
+    with pytest.raises(MappingError, match="cannot tell the members apart"):
+        compile_text('param e = 0\nstack "x.{e:int}.w" -> "out.{e}"\n', inputs)
+    plan = compile_text('param e = 0\nstack "x.{e:int}.w" -> "out"\n', inputs)
+    assert [o.name for o in plan.outputs] == ["out"]

@@ -105,8 +105,12 @@ def _unnamed_alternative(rule: A.Rule, free: set[str]) -> Members | None:
 
 def members_of(rule: A.Rule, params: set[str]) -> Members:
     """Work out the member scheme of a merge/stack rule (RuleProblem if there is none)."""
-    used = template_names(rule.outputs[0]) - params
     names = [{c.name for c in p.captures} for p in rule.patterns]
+    # A capture is found before a param of its name (as a rename reads `{e}`): only names
+    # that no pattern captures are the params'. Subtracting every param took `{e}` in
+    # `stack "x.{e:int}.w" -> "out.{e}"` beside `param e = 0` for the param, and stacked
+    # every expert into out.0.
+    used = template_names(rule.outputs[0]) - (params - set().union(*names))
     if len(rule.patterns) > 1:
         # Every name of the output counts here: a capture is found before a param of its
         # name, so `{i}` in the output is the capture even where a param is called i.
