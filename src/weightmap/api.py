@@ -147,10 +147,11 @@ def invert(
     """A mapping that undoes ``mapping``, or MappingError naming each rule that cannot be undone.
 
     Its ``text`` is generated source that parses back to it. See docs/language.md
-    ("Inversion") for which rules invert and how. ``check``: a checkpoint (or the plan of
-    ``mapping`` against one, with ``params``) the inverse must give back: compiled against the
-    conversion's output, it must make the input's names, dtypes, shapes and config.json again,
-    or MappingError lists what differs (values are not compared; no tensor data is read).
+    ("Inversion") for which rules invert and how. ``check``: a checkpoint (``mapping`` is
+    compiled against it with ``params``) or that plan, which the inverse must give back:
+    compiled against the conversion's output with the plan's params, it must make the input's
+    names, dtypes, shapes and config.json again, or MappingError lists what differs (values
+    are not compared; no tensor data is read).
     """
     from weightmap.compiler.inverse import invert as invert_mapping  # (see the imports)
     from weightmap.compiler.inverse import round_trip_problems
@@ -159,9 +160,8 @@ def invert(
     inverse = invert_mapping(rules)
     if check is None:
         return inverse
-    given = _params(params)
-    plan = check if isinstance(check, Plan) else compile(check, mapping=rules, params=given)
-    problems = round_trip_problems(plan, inverse, given)
+    plan = check if isinstance(check, Plan) else compile(check, mapping=rules, params=params)
+    problems = round_trip_problems(plan, inverse)
     if problems:
         raise MappingError(
             f"the inverse of {rules.name} does not give back this checkpoint (what only a "

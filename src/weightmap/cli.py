@@ -320,12 +320,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_invert(args: argparse.Namespace) -> int:
-    rules = _named_mapping(args.mapping)
-    if args.checkpoint is None:
-        print(invert(rules).text.rstrip())
-        return 0
-    check = compile_plan_for(args.checkpoint, mapping=rules, params=_params(args.set))
-    print(invert(rules, check=check, params=_params(args.set)).text.rstrip())
+    inverse = invert(_named_mapping(args.mapping), check=args.checkpoint, params=_params(args.set))
+    print(inverse.text.rstrip())
     return 0
 
 

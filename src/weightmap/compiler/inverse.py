@@ -463,13 +463,12 @@ def invert(mapping: Mapping) -> Mapping:
     return from_program(name, text, parse_program(text, f"{mapping.name}.inverse"))
 
 
-def round_trip_problems(
-    plan: Plan, inverse: Mapping, params: dict[str, Any] | None = None, limit: int = 20
-) -> list[str]:
+def round_trip_problems(plan: Plan, inverse: Mapping, limit: int = 20) -> list[str]:
     """How compiling ``inverse`` against ``plan``'s output fails to give back its input: each
     tensor missing, made in excess, or of another dtype or shape, and each config.json field
     that differs. Empty when names, dtypes, shapes and config come back; values are not
-    compared (no tensor data is read).
+    compared (no tensor data is read). The inverse is compiled with the params the plan was
+    made with (an inverse keeps its mapping's params).
 
     ``invert`` reads a mapping alone, so what only a checkpoint shows escapes it: a cast
     ``"**" from bf16 to f32`` inverts to one from f32 to bf16, which would also narrow
@@ -480,7 +479,7 @@ def round_trip_problems(
     from weightmap.format.diff import config_diff
 
     try:
-        back = compile_plan(inverse, plan.output_specs(), plan.config, params=params)
+        back = compile_plan(inverse, plan.output_specs(), plan.config, params=plan.params)
     except MappingError as err:
         return [f"the inverse does not compile against the output: {err}"]
     want = {s.name: s for s in plan.inputs}
