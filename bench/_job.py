@@ -176,7 +176,7 @@ class StageTimer:
 
     def __init__(self) -> None:
         import weightmap.api as api
-        from weightmap.format.checkpoint import Checkpoint
+        from weightmap.inputs.checkpoint import Checkpoint
 
         self.open = 0.0
         self.compile = 0.0

@@ -126,7 +126,7 @@ def check(src: Path, a: Path, b: Path) -> None:
 
     with safe_open(b / "model.safetensors", "pt") as naive:
         names = set(naive.keys())
-        from weightmap.format.checkpoint import Checkpoint
+        from weightmap.inputs.checkpoint import Checkpoint
 
         with Checkpoint.open(a) as ours:
             assert set(ours.tensors) == names, set(ours.tensors) ^ names

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 from lark import Lark
 
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec, numel
 from weightmap.format.header import MAX_HEADER_SIZE
 from weightmap.format.layout import CONFIG_NAME
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.resources import read_text
 from weightmap.plan.nodes import (
     Arith,

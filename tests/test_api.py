@@ -104,7 +104,7 @@ def test_remap_pauses_the_collector_only_where_nothing_is_computed(
     ckpt: Path, tmp_path: Path, mapping: str, verify: bool, paused: bool
 ) -> None:
     """The collector stays paused while bytes move only where the conversion computes
-    nothing (format/gcpause.py), and is on again once remap returns, as it was before."""
+    nothing (fs/gcpause.py), and is on again once remap returns, as it was before."""
     import gc
 
     during: list[bool] = []
@@ -236,18 +236,18 @@ def test_recomputed_checksums_read_bytes_only_for_whole_tensors(
     everything else (slices, a cast, a transpose) from its values, so that the writer's byte
     arithmetic for slices is checked by another route: each equals the CRC of the values, and
     the files written verify clean."""
-    import weightmap.api as api
-    from weightmap.api import _crc, _recomputed
+    import weightmap.execute.verify as verify_module
     from weightmap.execute.kernels import evaluate
+    from weightmap.execute.verify import crc, recomputed
 
     read: list[list[tuple[Path, int, int]]] = []
-    real = api.crc_of_ranges
+    real = verify_module.crc_of_ranges
 
     def recorded(ranges: list[tuple[Path, int, int]], fds: dict[Path, int]) -> int:
         read.append(list(ranges))
         return real(ranges, fds)
 
-    monkeypatch.setattr(api, "crc_of_ranges", recorded)
+    monkeypatch.setattr(verify_module, "crc_of_ranges", recorded)
 
     src = tmp_path / "in"
     src.mkdir()
@@ -268,12 +268,12 @@ def test_recomputed_checksums_read_bytes_only_for_whole_tensors(
     result = weightmap.remap(src, tmp_path / "out", mapping=mapping, verify=True, progress=False)
     with Checkpoint.open(src) as ckpt:
         by_values = {
-            o.name: _crc(evaluate(o.node, ckpt.view, o.name))
+            o.name: crc(evaluate(o.node, ckpt.view, o.name))
             for o in result.plan.outputs
             if o.spec.nbytes
         }
         read.clear()
-        assert _recomputed(result.plan, ckpt) == by_values
+        assert recomputed(result.plan, ckpt) == by_values
         assert read == [[(ckpt.location("x").path, ckpt.location("x").offset, 56)]]
     # (the run's own checksums list the empty output too, as 0)
     assert result.checksums == {**by_values, "e": 0}
@@ -429,8 +429,8 @@ def test_a_config_edit_that_only_changes_a_json_type_is_an_edit(tmp_path: Path) 
     # out of config.json, the plan did not call the config edited, and diff saw no change.
     import json
 
-    from weightmap.format.checkpoint import Checkpoint
-    from weightmap.format.diff import diff_checkpoints
+    from weightmap.inputs.checkpoint import Checkpoint
+    from weightmap.inputs.diff import diff_checkpoints
 
     src = tmp_path / "c"
     src.mkdir()

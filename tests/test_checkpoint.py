@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightmap.errors import CheckpointError, FormatError
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.inputs.checkpoint import Checkpoint
 
 from sftools import entry, write_raw
 

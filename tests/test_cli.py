@@ -320,7 +320,7 @@ def test_invert(tmp_path: Path) -> None:
 
 
 def test_clean_removes_leftovers_of_dead_runs(tmp_path: Path) -> None:
-    from weightmap.format.atomic import owner_tag
+    from weightmap.fs.atomic import owner_tag
 
     here = owner_tag().partition("@")[2]
     dead = tmp_path / f".out.weightmap-tmp-999999999@{here}-abcd"

@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save, save_file
 import weightmap
 import weightmap.cli
 from weightmap.format import layout as layout_module
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import (
     CLONE_BLOCK,
@@ -29,6 +28,7 @@ from weightmap.format.layout import (
     aligned_middle,
     plan_layout,
 )
+from weightmap.inputs.checkpoint import Checkpoint
 
 RENAME = 'weightmap 1\nrename "layers.{n:int}.{r*}" -> "blocks.{n}.{r}"\nunmatched keep\n'
 

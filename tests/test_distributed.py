@@ -28,9 +28,9 @@ from weightmap.execute.partition import ComputeUnit, TaskReport, TaskSpec, parti
 from weightmap.execute.sources import plan_writer
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, execute
 from weightmap.execute.task import run_task
-from weightmap.format.atomic import TMP_MARKER, host_name, owner_tag, stale_temporaries
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
+from weightmap.fs.atomic import TMP_MARKER, host_name, owner_tag, stale_temporaries
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.ast import Loc
 from weightmap.plan.nodes import Node
 from weightmap.plan.plan import OutputTensor, Plan
@@ -318,7 +318,7 @@ def test_temporaries_where_the_namespace_is_unknown(
     """A writer that cannot read its pid namespace says so (``+0``), rather than writing the
     bare host of earlier versions: its pid is judged only where the namespace is unknown too.
     A destination whose own name holds the marker is parsed from the last one."""
-    from weightmap.format import atomic
+    from weightmap.fs import atomic
 
     host = host_name()
     unknown_dead = tmp_path / f".out{TMP_MARKER}999999999@{host}+0-abcd"

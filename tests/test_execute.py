@@ -20,10 +20,10 @@ from weightmap.execute.inplace import recover, rewrite_inplace
 from weightmap.execute.kernels import evaluate, tensor_bytes
 from weightmap.execute.segments import byte_segments
 from weightmap.execute.streaming import execute
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.format.header import read_header
 from weightmap.format.layout import Layouts
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.ast import Loc
 from weightmap.plan.nodes import Cast, Concat, Node, Permute, Reshape, Slice, Source
 from weightmap.plan.plan import Dropped, OutputTensor, Plan

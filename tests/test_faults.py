@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import weightmap
 import weightmap.format.writer as writer_mod
 from weightmap import Checkpoint, CheckpointError, ExecutionError, FormatError
-from weightmap.format.atomic import TMP_MARKER
+from weightmap.fs.atomic import TMP_MARKER
 
 EXE = [sys.executable, "-m", "weightmap"]
 CAST = 'weightmap 1\ncast "{x*}" to bf16 where dtype == f32\nunmatched keep\n'

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightmap.format import fdlimit
+from weightmap.fs import fdlimit
 
 resource = pytest.importorskip("resource")
 

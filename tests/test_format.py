@@ -210,7 +210,7 @@ def test_gc_pauses_nest_and_restore() -> None:
     import gc
     import threading
 
-    from weightmap.format.gcpause import gc_paused
+    from weightmap.fs.gcpause import gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -249,7 +249,7 @@ def test_a_released_gc_pause_ends_once() -> None:
     that began inside it alone."""
     import gc
 
-    from weightmap.format.gcpause import GcPause, gc_paused
+    from weightmap.fs.gcpause import GcPause, gc_paused
 
     assert gc.isenabled()
     with gc_paused() as outer:
@@ -291,8 +291,8 @@ def test_known_sizes_are_the_counted_sizes(tmp_path: Path) -> None:
     """Sizes taken from a header's byte ranges, and carried through renames to the plan's
     outputs, are what counting dtype x shape gives; a kept size changes no comparison."""
     import weightmap
-    from weightmap.format.checkpoint import Checkpoint
     from weightmap.format.dtypes import TensorSpec, nbytes
+    from weightmap.inputs.checkpoint import Checkpoint
     from weightmap.plan.plan import OutputTensor
 
     tensors = {

@@ -51,11 +51,11 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.errors import FormatError, MappingError, WeightmapError
 from weightmap.execute.inplace import recover
 from weightmap.format import header as header_module
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.header import MAX_HEADER_SIZE, Header, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.text import json_depth
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.mapping import Mapping, load_mapping
 from weightmap.plan.plan import Plan
 

@@ -22,8 +22,8 @@ import pytest
 
 import weightmap
 from weightmap import CheckpointError, MappingError, MappingSyntaxError
-from weightmap.format.atomic import owner_tag
 from weightmap.format.layout import JOURNAL_NAME
+from weightmap.fs.atomic import owner_tag
 
 EXE = [sys.executable, "-m", "weightmap"]
 REPO = Path(__file__).resolve().parent.parent
@@ -942,7 +942,7 @@ def test_a_reader_waits_for_a_live_writer(tmp_path: Path, monkeypatch: pytest.Mo
     reader.join(30)
     assert opened == ["t0"]
     # A writer that stays away too long: the reader gives up with a clear error.
-    from weightmap.format import lock
+    from weightmap.fs import lock
 
     monkeypatch.setattr(lock, "LOCK_WAIT_SECONDS", 0.2)
     fd = os.open(root, os.O_RDONLY)
@@ -1342,8 +1342,8 @@ def test_a_fifo_where_json_is_read_is_refused_without_waiting(tmp_path: Path) ->
 
 
 def test_messages_quoting_other_libraries_carry_no_credentials() -> None:
-    from weightmap.format.hub import HubRepo
     from weightmap.format.text import redacted
+    from weightmap.inputs.hub import HubRepo
 
     message = (
         "500 Server Error: Internal Server Error for url: "
@@ -1373,8 +1373,8 @@ def test_the_token_in_use_is_never_quoted_whatever_its_form(
 ) -> None:
     """A token with no hf_ prefix (an organization's, a mirror's) quoted by another library's
     message is hidden too: the value in use is known, whatever it looks like."""
-    from weightmap.format.hub import HubRepo
     from weightmap.format.text import redacted
+    from weightmap.inputs.hub import HubRepo
 
     assert redacted("a Zq9-token-Zq9 b", secrets=["Zq9-token-Zq9"]) == "a *** b"
     assert redacted("abc", secrets=["", "b"]) == "abc"  # (too short to be a secret)
@@ -1391,7 +1391,7 @@ def test_the_token_in_use_is_never_quoted_whatever_its_form(
 def test_a_malformed_hub_endpoint_is_named(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     """An HF_ENDPOINT that is no http(s) address is refused, naming the variable and its
     value (credentials hidden), before any request."""
-    from weightmap.format.hub import HubRepo
+    from weightmap.inputs.hub import HubRepo
 
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     with pytest.raises(
@@ -1460,7 +1460,7 @@ def test_links_that_stay_in_the_folder_or_the_hub_cache_are_read(
 def test_a_side_file_that_cannot_be_read_says_so_not_changed(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import weightmap.format.sidefiles as sidefiles
+    import weightmap.inputs.sidefiles as sidefiles
 
     (ckpt / "tokenizer.json").write_text("{}")
 

@@ -21,10 +21,10 @@ import pytest
 import weightmap
 from weightmap import CheckpointError, MappingError
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.atomic import TMP_MARKER, stale_temporaries, temporaries
 from weightmap.format.layout import JOURNAL_NAME
-from weightmap.format.sidefiles import list_side_files
 from weightmap.format.writer import destination_path
+from weightmap.fs.atomic import TMP_MARKER, stale_temporaries, temporaries
+from weightmap.inputs.sidefiles import list_side_files
 
 EXE = [sys.executable, "-m", "weightmap"]
 KEEP = "weightmap 1\nunmatched keep\n"
@@ -167,7 +167,7 @@ def _here() -> str:
 def test_a_temporary_whose_pid_no_process_has_is_left_alone(
     tmp_path: Path, ckpt: Path, owner: str
 ) -> None:
-    from weightmap.format.atomic import host_name
+    from weightmap.fs.atomic import host_name
 
     here = f"{host_name()}+{os.stat('/proc/self/ns/pid').st_ino}"
     planted = tmp_path / f".out{TMP_MARKER}{owner.format(here=here)}-ab"

@@ -270,7 +270,7 @@ def test_verify_takes_the_repo_id_it_converted(
 def test_a_revision_is_never_a_path_out_of_refs(spec: str, ok: bool) -> None:
     """The revision names a file under the cache's refs/ folder (offline): one that would lead
     out of it (and read, say, /dev/zero) is no repository id."""
-    from weightmap.format.hub import HubRepo, looks_like_repo_id
+    from weightmap.inputs.hub import HubRepo, looks_like_repo_id
 
     assert looks_like_repo_id(spec) is ok
     if not ok:

@@ -1,8 +1,9 @@
 """The package's shape: stages import only downwards, and the public surface is pinned.
 
-format -> language -> plan -> compiler -> execute -> api/cli: a module may import from its own
-stage and the stages below it, never above (no circle, not even a lazy import inside a
-function), so the pipeline can be read from the file list alone.
+fs -> format -> inputs -> language -> plan -> compiler -> execute -> modes -> api/cli: a module
+may import from its own stage and the stages below it, never above (no circle, not even a lazy
+import inside a function or one made for type checking alone), so the pipeline can be read from
+the file list alone.
 """
 
 from __future__ import annotations
@@ -13,8 +14,22 @@ from pathlib import Path
 import weightmap
 
 SRC = Path(weightmap.__file__).parent
-# Bottom to top; errors.py sits below everything (it imports nothing of ours at run time).
-LAYERS = ["errors", "format", "language", "plan", "compiler", "execute", "api", "cli"]
+# Bottom to top; errors.py sits below everything (it imports nothing of ours). fs: the file
+# system and process helpers; format: the safetensors bytes; inputs: checkpoints, pickles, the
+# Hub and side files; modes: the ways remap runs a plan.
+LAYERS = [
+    "errors",
+    "fs",
+    "format",
+    "inputs",
+    "language",
+    "plan",
+    "compiler",
+    "execute",
+    "modes",
+    "api",
+    "cli",
+]
 
 
 def _stage(module: str) -> str:
@@ -25,17 +40,11 @@ def _stage(module: str) -> str:
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """Every ``weightmap.*`` module imported at run time (TYPE_CHECKING blocks excluded)."""
+    """Every ``weightmap.*`` module imported, at run time or for type checking alone (an
+    arrow that runs up only for the type checker still ties the lower stage to the upper)."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in ast.walk(node):
-                skip.add(id(inner))
     found = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("weightmap"):
             if node.module == "weightmap":
                 found += [(node.lineno, f"weightmap.{a.name}") for a in node.names]

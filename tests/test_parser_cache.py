@@ -258,7 +258,7 @@ _DEFERRED = (
     "weightmap.execute.cluster",
     "weightmap.execute.inplace",
     "weightmap.compiler.inverse",
-    "weightmap.format.hub",
+    "weightmap.inputs.hub",
 )
 
 _PROBE = """

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 import weightmap
 from weightmap.errors import CheckpointError
-from weightmap.format.checkpoint import Checkpoint
-from weightmap.format.diff import diff_checkpoints
+from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.diff import diff_checkpoints
 
 KEEP_ALL = "weightmap 1\nunmatched keep\n"
 

@@ -22,8 +22,8 @@ from weightmap.compiler.inverse import invert
 from weightmap.execute.kernels import tensor_bytes
 from weightmap.execute.memory import execute_in_memory
 from weightmap.execute.streaming import execute
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
+from weightmap.inputs.checkpoint import Checkpoint
 
 
 @settings(

@@ -35,9 +35,9 @@ from weightmap.execute import task as task_module
 from weightmap.execute.cluster import execute_on_ray
 from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, execute
-from weightmap.format.atomic import TMP_MARKER
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
+from weightmap.fs.atomic import TMP_MARKER
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
 from conftest import cow_mount, cowfs

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import weightmap
 from weightmap import cli
 from weightmap.errors import MappingError
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.inputs.checkpoint import Checkpoint
 
 
 def _folder(root: Path) -> Path:

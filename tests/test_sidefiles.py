@@ -13,7 +13,7 @@ import pytest
 
 import weightmap
 from weightmap.errors import CheckpointError, ExecutionError, MappingError
-from weightmap.format.sidefiles import list_side_files
+from weightmap.inputs.sidefiles import list_side_files
 from weightmap.plan.plan import Plan
 
 KEEP_ALL = "weightmap 1\nunmatched keep\n"
@@ -350,7 +350,7 @@ def test_a_folder_swapped_for_a_link_while_opening_is_not_followed(
     """Between resolving a side file's path and opening it, a folder on the way swapped for a
     link to a folder outside (holding a file of the same name and size) must not be read:
     the open walks the resolved path without following any link."""
-    from weightmap.format.sidefiles import open_side_file
+    from weightmap.inputs.sidefiles import open_side_file
 
     root = tmp_path / "ckpt"
     (root / "tok").mkdir(parents=True)

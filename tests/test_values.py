@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import weightmap
 from weightmap import ExecutionError, MappingError
 from weightmap.execute.streaming import execute
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.inputs.checkpoint import Checkpoint
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(E4M3).max  # 448

@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.atomic import TMP_MARKER, _renameat2, owner_tag, stale_temporaries
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
 from weightmap.format.writer import CheckpointWriter, _index_text
+from weightmap.fs.atomic import TMP_MARKER, _renameat2, owner_tag, stale_temporaries
+from weightmap.inputs.checkpoint import Checkpoint
 
 
 def _spec(name: str, t: torch.Tensor) -> TensorSpec:

@@ -28,7 +28,7 @@ from weightmap.errors import (
     PlanError,
     WeightmapError,
 )
-from weightmap.format.checkpoint import Checkpoint
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.mapping import Mapping
 from weightmap.plan.plan import Plan
 

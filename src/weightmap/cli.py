@@ -20,11 +20,11 @@ from typing import Any, TextIO, cast
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, recover, remap
 from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
-from weightmap.format.atomic import remove_path, temporaries
-from weightmap.format.diff import diff_checkpoints
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
+from weightmap.fs.atomic import remove_path, temporaries
+from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
 from weightmap.plan.plan import Plan

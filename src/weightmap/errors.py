@@ -11,16 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from weightmap.language.ast import Loc
+from typing import Any
 
 __all__ = [
     "CheckpointError",
     "CompileError",
     "ExecutionError",
     "FormatError",
+    "Loc",
     "MappingError",
     "MappingSyntaxError",
     "OutputExistsError",
@@ -28,6 +26,18 @@ __all__ = [
     "Problem",
     "WeightmapError",
 ]
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A position in a mapping source: file name (or ``<string>``), 1-based line and column."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
 
 
 class WeightmapError(Exception):

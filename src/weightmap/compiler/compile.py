@@ -32,9 +32,9 @@ from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import CompileError, LocatedProblem, MappingError
 from weightmap.format.dtypes import TensorSpec
-from weightmap.format.gcpause import gc_paused
-from weightmap.format.sidefiles import FolderFiles
 from weightmap.format.text import json_problem
+from weightmap.fs.gcpause import gc_paused
+from weightmap.inputs.sidefiles import FolderFiles
 from weightmap.language import ast as A
 from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
@@ -201,7 +201,7 @@ def compile_plan(
 ) -> Plan:
     """Compile ``mapping`` against input headers and config.json into a Plan.
 
-    ``files`` are the side files of the input folder (``format/sidefiles.py``); None when they
+    ``files`` are the side files of the input folder (``inputs/sidefiles.py``); None when they
     are not carried. Never reads tensor data. Raises :class:`CompileError` (a MappingError)
     listing every problem with its file:line:col.
 
@@ -210,7 +210,7 @@ def compile_plan(
     >>> compile_plan(m, [TensorSpec("a.w", "F32", (2,))], None).outputs[0].name
     'b.w'
     """
-    with gc_paused():  # (format/gcpause.py: a plan of many tensors makes no cycles)
+    with gc_paused():  # (fs/gcpause.py: a plan of many tensors makes no cycles)
         return _compile(mapping, inputs, config, params, files)
 
 

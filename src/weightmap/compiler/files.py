@@ -1,6 +1,6 @@
 """Side files: the ``files { }`` blocks applied to the input folder's other files.
 
-By default every side file of the input folder (``format/sidefiles.py`` says which) goes into
+By default every side file of the input folder (``inputs/sidefiles.py`` says which) goes into
 the output under its own name. Blocks apply in order, statement by statement, to that set:
 
 - ``drop PATTERNS`` removes the files that match (``drop?``: matching nothing is fine);
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from weightmap.compiler.pattern import compile_pattern
-from weightmap.format.sidefiles import FileSpec, bad_file_name
 from weightmap.format.text import is_utf8, json_problem
+from weightmap.inputs.sidefiles import FileSpec, bad_file_name
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
 from weightmap.language.values import EvalError, Scope

@@ -476,7 +476,7 @@ def round_trip_problems(plan: Plan, inverse: Mapping, limit: int = 20) -> list[s
     reads ``x_y_z`` back one way only. This is the check against a checkpoint.
     """
     from weightmap.compiler.compile import compile_plan  # (compile imports this module's peers)
-    from weightmap.format.diff import config_diff
+    from weightmap.inputs.diff import config_diff
 
     try:
         back = compile_plan(inverse, plan.output_specs(), plan.config, params=plan.params)

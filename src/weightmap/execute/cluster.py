@@ -33,9 +33,9 @@ from weightmap.execute import task as task_module
 from weightmap.execute.distributed import execute_tasks
 from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, check_inputs, check_workers
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.text import redacted
 from weightmap.format.writer import CheckpointWriter
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
 __all__ = ["execute_on_ray"]

@@ -21,8 +21,8 @@ from weightmap.errors import ExecutionError
 from weightmap.execute.chunks import chunk_plan, region, tree_nodes
 from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
 from weightmap.execute.nans import settle, strategy
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import DTYPES, nbytes, numel
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.nodes import Cast, Node, Source, int_cast_fits
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from weightmap.execute.streaming import (
     check_unchanged,
     writing_failed,
 )
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
 from weightmap.format.writer import CheckpointWriter
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
 __all__ = ["Runner", "collect", "crc32_combine", "execute_tasks"]

@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanError
-from weightmap.format.atomic import fsync_dir, temporary_path
-from weightmap.format.checkpoint import Checkpoint, resolve_shard
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
-from weightmap.format.lock import folder_lock
 from weightmap.format.text import read_json_file, same_json
+from weightmap.fs.atomic import fsync_dir, temporary_path
+from weightmap.fs.lock import folder_lock
+from weightmap.inputs.checkpoint import Checkpoint, resolve_shard
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 

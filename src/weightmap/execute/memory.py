@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.kernels import evaluate
-from weightmap.format.checkpoint import Checkpoint, check_torch_shape
+from weightmap.inputs.checkpoint import Checkpoint, check_torch_shape
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 

@@ -26,8 +26,8 @@ from weightmap.execute.chunks import chunk_plan, tree_nodes
 from weightmap.execute.sources import Sources
 from weightmap.format.dtypes import nbytes
 from weightmap.format.header import Header, TensorInfo
-from weightmap.format.pickles import PickleHeader
 from weightmap.format.writer import CheckpointWriter, Piece
+from weightmap.inputs.pickles import PickleHeader
 from weightmap.plan.nodes import Arith, Binary, Mask, Node, Quantize
 from weightmap.plan.plan import Plan
 

@@ -2,7 +2,7 @@
 
 Side files go into the same temporary folder as the weights, before it is moved into place,
 so they are committed (or discarded) with them: a converted folder never exists without its
-tokenizer. Carried files are copied in the kernel (``format/sidefiles.copy_file``); each
+tokenizer. Carried files are copied in the kernel (``inputs/sidefiles.copy_file``); each
 source is checked again when it is opened (still inside the folder, still a regular file of
 the planned size), so a folder that changed since the plan was made fails the conversion.
 """
@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from weightmap.format.atomic import fsync_dir
-from weightmap.format.sidefiles import copy_file, open_side_file, same_bytes
+from weightmap.fs.atomic import fsync_dir
+from weightmap.inputs.sidefiles import copy_file, open_side_file, same_bytes
 from weightmap.plan.plan import SideFile
 
 __all__ = ["check_side_files", "write_side_files"]

@@ -15,13 +15,13 @@ from typing import cast
 from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.kernels import OPAQUE_DTYPES
 from weightmap.execute.segments import Segment, byte_segments
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.dtypes import nbytes
-from weightmap.format.gcpause import gc_paused
 from weightmap.format.header import TensorInfo
 from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
 from weightmap.format.slots import make_tuple
 from weightmap.format.writer import CheckpointWriter
+from weightmap.fs.gcpause import gc_paused
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.nodes import Source, only_sources
 from weightmap.plan.plan import OutputTensor, Plan
 
@@ -186,7 +186,7 @@ def plan_writer(
 ) -> tuple[CheckpointWriter, Sources]:
     """The writer of ``plan``'s output and where its bytes come from: every executor plans the
     output here, so that they all write the same bytes."""
-    with gc_paused():  # (format/gcpause.py: many small objects, no cycles)
+    with gc_paused():  # (fs/gcpause.py: many small objects, no cycles)
         sources = _sources(plan, ckpt)
         files = ckpt.files
         writer = CheckpointWriter(

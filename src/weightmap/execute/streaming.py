@@ -32,9 +32,9 @@ from typing import TypeVar
 from weightmap.errors import ExecutionError, FormatError
 from weightmap.execute.compute import Computer
 from weightmap.execute.sources import plan_writer
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.layout import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = [

@@ -21,12 +21,12 @@ from weightmap.errors import ExecutionError
 from weightmap.execute.compute import Computer
 from weightmap.execute.partition import TaskReport, TaskSpec, code_digest
 from weightmap.execute.streaming import check_unchanged, crc_of_ranges
-from weightmap.format.atomic import host_name
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.header import Header, TensorInfo
-from weightmap.format.pickles import read_pickle
 from weightmap.format.transfer import pwrite_all, start_writeback
 from weightmap.format.writer import transfer_piece
+from weightmap.fs.atomic import host_name
+from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.pickles import read_pickle
 
 __all__ = ["run_task"]
 

@@ -1,4 +1,5 @@
-"""Stage 1, the safetensors format: dtypes, headers, checkpoints, the writer, atomic commits.
+"""Stage 1, the safetensors format: dtypes, headers, output layouts, the writer.
 
-Knows nothing of mappings or plans; every stage above reads and writes files through it.
+Knows nothing of checkpoints' folders, mappings or plans; every stage above reads and writes
+safetensors bytes through it.
 """

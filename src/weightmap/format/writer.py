@@ -25,17 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.atomic import (
-    RENAME_EXCHANGE,
-    RENAME_NOREPLACE,
-    fsync_dir,
-    is_within,
-    removal_problem,
-    remove_path,
-    renameat2,
-    stale_temporaries,
-    temporary_path,
-)
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import (
     CONFIG_NAME,
@@ -54,6 +43,17 @@ from weightmap.format.transfer import (
     fsyncing,
     pwrite_all,
     start_writeback,
+)
+from weightmap.fs.atomic import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    fsync_dir,
+    is_within,
+    removal_problem,
+    remove_path,
+    renameat2,
+    stale_temporaries,
+    temporary_path,
 )
 
 __all__ = [

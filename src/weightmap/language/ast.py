@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+# Loc lives with the errors that carry it, so that errors.py imports nothing above it.
+from weightmap.errors import Loc
+
 __all__ = [
     "Alt",
     "Attr",
@@ -53,18 +56,6 @@ __all__ = [
     "Unmatched",
     "Warn",
 ]
-
-
-@dataclass(frozen=True)
-class Loc:
-    """A position in a mapping source: file name (or ``<string>``), 1-based line and column."""
-
-    file: str
-    line: int
-    col: int
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}"
 
 
 NOWHERE = Loc("<generated>", 0, 0)

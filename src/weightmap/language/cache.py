@@ -130,7 +130,11 @@ def _code_digest() -> str | None:
     package's code (the parser and the classes a program is made of), so that a program parsed
     by other code is never taken for this code's. None where the code cannot be read (an
     installation without source files, lark inside a zip): then programs are not cached."""
-    sources = sorted(Path(__file__).parent.glob("*.py"))
+    # errors.py too: it defines Loc, which every node of a program carries.
+    sources = [
+        *sorted(Path(__file__).parent.glob("*.py")),
+        Path(__file__).parent.parent / "errors.py",
+    ]
     lark_source = _lark_source()
     if not sources or lark_source is None:
         return None

@@ -18,7 +18,7 @@ from typing import Any
 from lark import Lark
 from lark.parsers import lalr_analysis
 
-from weightmap.format.gcpause import gc_paused
+from weightmap.fs.gcpause import gc_paused
 from weightmap.language import cache as _cache
 from weightmap.language.resources import read_text
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from weightmap.format.gcpause import gc_paused
+from weightmap.fs.gcpause import gc_paused
 from weightmap.language import ast as A
 from weightmap.language import cache as _cache
 
@@ -27,7 +27,7 @@ def parse_program(text: str, file: str = "<string>") -> A.Program:
     """
     where = _cache.program_file(text, file)
     if where is not None:
-        with gc_paused():  # (many small objects, no cycles: see format/gcpause.py)
+        with gc_paused():  # (many small objects, no cycles: see fs/gcpause.py)
             found = _cache.load(where)
         # The label is in the file's name too; a file that holds anything else is not used.
         if type(found) is A.Program and found.file == file:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
+from weightmap.format.dtypes import TensorSpec
 from weightmap.format.text import field_path, one_line
 from weightmap.plan.nodes import (
     Arith,
@@ -20,11 +22,33 @@ from weightmap.plan.nodes import (
     Source,
     Stack,
 )
+from weightmap.plan.parts import Dropped, OutputTensor, SideFile
 
-if TYPE_CHECKING:
-    from weightmap.plan.plan import Plan
+__all__ = ["Explainable", "config_diff", "explain", "side_files"]
 
-__all__ = ["config_diff", "explain", "side_files"]
+
+class Explainable(Protocol):
+    """What :func:`explain` reads of a plan: ``Plan`` has it, and this module needs nothing
+    else of the ``Plan`` class (which imports this module)."""
+
+    @property
+    def mapping_name(self) -> str: ...
+    @property
+    def inputs(self) -> Sequence[TensorSpec]: ...
+    @property
+    def outputs(self) -> Sequence[OutputTensor]: ...
+    @property
+    def dropped(self) -> Sequence[Dropped]: ...
+    @property
+    def warnings(self) -> Sequence[str]: ...
+    @property
+    def files(self) -> Sequence[SideFile]: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    @property
+    def config(self) -> dict[str, Any] | None: ...
+    @property
+    def input_config(self) -> dict[str, Any] | None: ...
 
 
 def _shape(dtype: str, shape: tuple[int, ...]) -> str:
@@ -77,7 +101,7 @@ def _to(src: str, dst: str) -> str:
     return f" -> {dst}" if dst != src else ""
 
 
-def explain(plan: Plan) -> str:
+def explain(plan: Explainable) -> str:
     """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff."""
     inputs = {s.name: s for s in plan.inputs}
     lines = [f"plan for mapping {plan.mapping_name!r}"]
@@ -112,7 +136,7 @@ def explain(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def side_files(plan: Plan) -> list[str]:
+def side_files(plan: Explainable) -> list[str]:
     """One line per side file: carried as it is, renamed, or added by the mapping."""
     if not plan.files:
         return []

@@ -12,107 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightmap.format.dtypes import TensorSpec
-from weightmap.format.gcpause import gc_paused
-from weightmap.format.slots import slot_setter
 from weightmap.format.text import same_json
-from weightmap.language.ast import Loc
+from weightmap.fs.gcpause import gc_paused
 from weightmap.plan.explain import explain
-from weightmap.plan.nodes import Node, Source, node_from_dict, node_to_dict
+from weightmap.plan.nodes import Source, node_from_dict, node_to_dict
+from weightmap.plan.parts import Dropped, OutputTensor, SideFile, loc_dict, loc_from_dict
 
 __all__ = ["PLAN_FORMAT", "Dropped", "OutputTensor", "Plan", "SideFile"]
 
 PLAN_FORMAT = 1
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OutputTensor:
-    """One tensor of the output checkpoint and the rule (``origin``) that produced it."""
-
-    name: str
-    node: Node
-    origin: Loc
-    # The output's spec once made: kept outside equality, hashing and repr.
-    _spec: TensorSpec | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def spec(self) -> TensorSpec:
-        """The output tensor's name, dtype and shape."""
-        # Kept after the first time (as TensorSpec.nbytes): the writer, the executor and the
-        # progress bar all ask.
-        found = self._spec
-        if found is None:
-            found = TensorSpec(self.name, self.node.dtype, self.node.shape)
-            _set_spec(self, found)
-        return found
-
-    @classmethod
-    def of(cls, spec: TensorSpec, node: Node, origin: Loc) -> OutputTensor:
-        """The output ``spec`` computed by ``node``, keeping ``spec`` (with its byte size, if
-        known) as :attr:`spec` instead of making another; ``spec`` is ``node``'s dtype and
-        shape under the output's name, as the compiler's are."""
-        # The slots filled directly, as TensorSpec.sized does: one output is made so per
-        # tensor.
-        out = _new(cls)
-        _set_name(out, spec.name)
-        _set_node(out, node)
-        _set_origin(out, origin)
-        _set_spec(out, spec)
-        return out
-
-
-# The slots' own setters, for OutputTensor.of (format/slots.py).
-_new = object.__new__
-_set_name = slot_setter(OutputTensor, "name")
-_set_node = slot_setter(OutputTensor, "node")
-_set_origin = slot_setter(OutputTensor, "origin")
-_set_spec = slot_setter(OutputTensor, "_spec")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dropped:
-    """An input deliberately left out, and the rule (or ``unmatched drop``) that dropped it."""
-
-    name: str
-    origin: Loc
-
-
-@dataclass(frozen=True, kw_only=True)
-class SideFile:
-    """A file of the output beside the weights and config.json.
-
-    Carried from the input folder byte for byte (``source``: its path there, relative to the
-    folder) or added by the mapping (``text``, written as UTF-8). ``origin`` is the rule that
-    renamed or added it; None for a file carried as it is.
-    """
-
-    name: str
-    size: int
-    source: str | None = None
-    text: str | None = None
-    origin: Loc | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; keys that are None are left out."""
-        d: dict[str, Any] = {"name": self.name, "size": self.size}
-        if self.source is not None:
-            d["source"] = self.source
-        if self.text is not None:
-            d["text"] = self.text
-        if self.origin is not None:
-            d["origin"] = _loc_dict(self.origin)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SideFile:
-        """Read back :meth:`to_dict`."""
-        origin = d.get("origin")
-        return cls(
-            name=d["name"],
-            size=d["size"],
-            source=d.get("source"),
-            text=d.get("text"),
-            origin=None if origin is None else _loc(origin),
-        )
 
 
 def _json_or_none(value: Any) -> str | None:
@@ -230,10 +138,10 @@ class Plan:
             "params": self.params,
             "inputs": [_spec_dict(s) for s in self.inputs],
             "outputs": [
-                {"name": o.name, "origin": _loc_dict(o.origin), "node": node_to_dict(o.node)}
+                {"name": o.name, "origin": loc_dict(o.origin), "node": node_to_dict(o.node)}
                 for o in self.outputs
             ],
-            "dropped": [{"name": d.name, "origin": _loc_dict(d.origin)} for d in self.dropped],
+            "dropped": [{"name": d.name, "origin": loc_dict(d.origin)} for d in self.dropped],
             "warnings": list(self.warnings),
             "config": self.config,
             "input_config": self.input_config,
@@ -256,11 +164,15 @@ class Plan:
             inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in d["inputs"]),
             outputs=tuple(
                 OutputTensor(
-                    name=o["name"], node=node_from_dict(o["node"]), origin=_loc(o["origin"])
+                    name=o["name"],
+                    node=node_from_dict(o["node"]),
+                    origin=loc_from_dict(o["origin"]),
                 )
                 for o in d["outputs"]
             ),
-            dropped=tuple(Dropped(name=x["name"], origin=_loc(x["origin"])) for x in d["dropped"]),
+            dropped=tuple(
+                Dropped(name=x["name"], origin=loc_from_dict(x["origin"])) for x in d["dropped"]
+            ),
             warnings=tuple(d["warnings"]),
             params=d["params"],
             config=d["config"],
@@ -280,11 +192,3 @@ class Plan:
 
 def _spec_dict(s: TensorSpec) -> dict[str, Any]:
     return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
-
-
-def _loc_dict(loc: Loc) -> dict[str, Any]:
-    return {"file": loc.file, "line": loc.line, "col": loc.col}
-
-
-def _loc(d: dict[str, Any]) -> Loc:
-    return Loc(d["file"], d["line"], d["col"])

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec
-from weightmap.format.gcpause import gc_paused
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
-from weightmap.format.lock import folder_lock
-from weightmap.format.pickles import PickleHeader, is_pickle, read_pickle, release_pages
-from weightmap.format.sidefiles import cache_blobs, inside_folder, resolve_path
 from weightmap.format.text import is_utf8, read_json_file
+from weightmap.fs.gcpause import gc_paused
+from weightmap.fs.lock import folder_lock
+from weightmap.inputs.pickles import PickleHeader, is_pickle, read_pickle, release_pages
+from weightmap.inputs.sidefiles import cache_blobs, inside_folder, resolve_path
 
 if TYPE_CHECKING:
     import torch
@@ -317,7 +317,7 @@ class Checkpoint:
         """Open and validate a checkpoint folder or file.
 
         Headers, index and config are read under the folder's shared lock (see
-        ``format/lock.py``), so they are all from before or all from after an in-place
+        ``fs/lock.py``), so they are all from before or all from after an in-place
         rename; a rename in progress is waited for. ``config_name`` is the JSON file read as
         the config (a mapping's ``config from "params.json"``): config.json is optional,
         another file named this way must exist.

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightmap.format.checkpoint import Checkpoint
 from weightmap.format.text import field_path, same_json
+from weightmap.inputs.checkpoint import Checkpoint
 
 __all__ = ["CheckpointDiff", "config_diff", "diff_checkpoints"]
 

@@ -24,9 +24,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from weightmap.errors import CheckpointError
-from weightmap.format.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
-from weightmap.format.sidefiles import (
+from weightmap.format.text import read_json_file, redacted
+from weightmap.inputs.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
+from weightmap.inputs.sidefiles import (
     MAX_DEPTH,
     MAX_SIDE_FILES,
     FileSpec,
@@ -34,7 +35,6 @@ from weightmap.format.sidefiles import (
     bad_file_name,
     replaced_reason,
 )
-from weightmap.format.text import read_json_file, redacted
 
 __all__ = ["HubRepo", "looks_like_repo_id"]
 
@@ -348,7 +348,7 @@ class HubRepo:
         return [pickles[0], *configs]
 
     def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
-        """The repository's side files (``format/sidefiles.py`` says which), not yet fetched."""
+        """The repository's side files (``inputs/sidefiles.py`` says which), not yet fetched."""
         if len(files) > MAX_SIDE_FILES:
             raise self._fail(
                 f"the repository holds {len(files):,} files, more than the {MAX_SIDE_FILES:,} a "

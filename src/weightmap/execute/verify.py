@@ -1,0 +1,107 @@
+"""Checking a written output against its plan: names, dtypes, shapes, config.json, every
+tensor's bytes (CRC-32 against the checksums taken while writing, or recomputed from the
+input) and the side files. ``api.verify`` and ``remap(verify=True)`` both come here.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightmap.execute.kernels import evaluate
+from weightmap.execute.sidefiles import check_side_files
+from weightmap.execute.streaming import check_inputs, crc_of_ranges, descriptors
+from weightmap.fs.fdlimit import make_room
+from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.plan.nodes import Source
+from weightmap.plan.plan import Plan
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_output", "crc", "differences", "recomputed", "stored_crc"]
+
+
+def check_output(
+    dest: Path, plan: Plan, checksums: Mapping[str, int], files_root: Path | None
+) -> list[str]:
+    """The tensors and config of ``dest`` against the plan and checksums; its side files
+    against the plan and, given ``files_root``, the input's files."""
+    with Checkpoint.open(dest) as ckpt, descriptors() as fds:
+        make_room(len(ckpt.files))
+        problems = differences(plan, ckpt, checksums, fds)
+    return problems + check_side_files(plan.files, dest, files_root)
+
+
+def crc(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes as stored, without copying a view of the file."""
+    import torch
+
+    if t.numel() == 0:
+        return 0
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
+
+
+def recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
+    """Each output's CRC-32, computed from the input one tensor at a time: an input tensor of
+    a safetensors file taken whole (a rename, a keep) from its bytes, read with pread, which
+    is what a torch view of it would hold; any other output through its values (and torch).
+
+    Only the whole tensor: a slice's or a concatenation's byte ranges are the writer's own
+    arithmetic, which recomputing from the values checks; and a PyTorch file's offsets are
+    ours, where its values are torch's own reading of it.
+    """
+    check_inputs(plan, ckpt)
+    safetensors = ckpt.format == "safetensors"
+    found: dict[str, int] = {}
+    with descriptors() as fds:
+        for out in plan.outputs:
+            if not out.spec.nbytes:
+                continue
+            node = out.node
+            if safetensors and type(node) is Source and ckpt.has_range(node.name):
+                found[out.name] = stored_crc(ckpt, node.name, fds)
+            else:
+                found[out.name] = crc(evaluate(node, ckpt.view, out.name))
+    return found
+
+
+def stored_crc(ckpt: Checkpoint, name: str, fds: dict[Path, int]) -> int:
+    """CRC-32 of tensor ``name`` of ``ckpt`` as stored: its byte range read with pread (no
+    torch: checking a rename's output must not cost the seconds importing torch takes), or,
+    for a tensor that is no byte range of its file, its values' bytes."""
+    if not ckpt.has_range(name):
+        return crc(ckpt.view(name))
+    loc = ckpt.location(name)
+    return crc_of_ranges([(loc.path, loc.offset, loc.length)], fds)
+
+
+def differences(
+    plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int], fds: dict[Path, int]
+) -> list[str]:
+    """Names, dtypes, shapes, bytes (against ``checksums``) and config of ``ckpt`` against
+    the plan's outputs: one line per difference."""
+    problems: list[str] = []
+    expected = {s.name: s for s in plan.output_specs()}
+    found = {s.name: s for s in ckpt.specs()}
+    problems += [f"{n!r} is missing" for n in expected if n not in found]
+    problems += [f"{n!r} is unexpected" for n in found if n not in expected]
+    for name, spec in expected.items():
+        got = found.get(name)
+        if got is None:
+            continue
+        if got != spec:
+            problems.append(
+                f"{name!r} is {got.dtype}{list(got.shape)}, planned {spec.dtype}{list(spec.shape)}"
+            )
+            continue
+        if spec.nbytes and stored_crc(ckpt, name, fds) != checksums[name]:
+            problems.append(f"{name!r} bytes differ from what was written")
+    if plan.config is not None and ckpt.config != plan.config:
+        problems.append("config.json differs from the plan's")
+    return problems

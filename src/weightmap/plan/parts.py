@@ -1,0 +1,118 @@
+"""The parts of a plan: its output tensors, the inputs it drops and its side files.
+
+Apart from ``plan.py`` so that ``explain.py``, which renders them, needs nothing of the Plan
+class itself (``plan.py`` imports ``explain.py``, never the other way round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightmap.errors import Loc
+from weightmap.format.dtypes import TensorSpec
+from weightmap.format.slots import slot_setter
+from weightmap.plan.nodes import Node
+
+__all__ = ["Dropped", "OutputTensor", "SideFile", "loc_dict", "loc_from_dict"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutputTensor:
+    """One tensor of the output checkpoint and the rule (``origin``) that produced it."""
+
+    name: str
+    node: Node
+    origin: Loc
+    # The output's spec once made: kept outside equality, hashing and repr.
+    _spec: TensorSpec | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The output tensor's name, dtype and shape."""
+        # Kept after the first time (as TensorSpec.nbytes): the writer, the executor and the
+        # progress bar all ask.
+        found = self._spec
+        if found is None:
+            found = TensorSpec(self.name, self.node.dtype, self.node.shape)
+            _set_spec(self, found)
+        return found
+
+    @classmethod
+    def of(cls, spec: TensorSpec, node: Node, origin: Loc) -> OutputTensor:
+        """The output ``spec`` computed by ``node``, keeping ``spec`` (with its byte size, if
+        known) as :attr:`spec` instead of making another; ``spec`` is ``node``'s dtype and
+        shape under the output's name, as the compiler's are."""
+        # The slots filled directly, as TensorSpec.sized does: one output is made so per
+        # tensor.
+        out = _new(cls)
+        _set_name(out, spec.name)
+        _set_node(out, node)
+        _set_origin(out, origin)
+        _set_spec(out, spec)
+        return out
+
+
+# The slots' own setters, for OutputTensor.of (format/slots.py).
+_new = object.__new__
+_set_name = slot_setter(OutputTensor, "name")
+_set_node = slot_setter(OutputTensor, "node")
+_set_origin = slot_setter(OutputTensor, "origin")
+_set_spec = slot_setter(OutputTensor, "_spec")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dropped:
+    """An input deliberately left out, and the rule (or ``unmatched drop``) that dropped it."""
+
+    name: str
+    origin: Loc
+
+
+@dataclass(frozen=True, kw_only=True)
+class SideFile:
+    """A file of the output beside the weights and config.json.
+
+    Carried from the input folder byte for byte (``source``: its path there, relative to the
+    folder) or added by the mapping (``text``, written as UTF-8). ``origin`` is the rule that
+    renamed or added it; None for a file carried as it is.
+    """
+
+    name: str
+    size: int
+    source: str | None = None
+    text: str | None = None
+    origin: Loc | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; keys that are None are left out."""
+        d: dict[str, Any] = {"name": self.name, "size": self.size}
+        if self.source is not None:
+            d["source"] = self.source
+        if self.text is not None:
+            d["text"] = self.text
+        if self.origin is not None:
+            d["origin"] = loc_dict(self.origin)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SideFile:
+        """Read back :meth:`to_dict`."""
+        origin = d.get("origin")
+        return cls(
+            name=d["name"],
+            size=d["size"],
+            source=d.get("source"),
+            text=d.get("text"),
+            origin=None if origin is None else loc_from_dict(origin),
+        )
+
+
+def loc_dict(loc: Loc) -> dict[str, Any]:
+    """``loc`` as JSON-ready dict."""
+    return {"file": loc.file, "line": loc.line, "col": loc.col}
+
+
+def loc_from_dict(d: dict[str, Any]) -> Loc:
+    """Read back :func:`loc_dict`."""
+    return Loc(d["file"], d["line"], d["col"])
