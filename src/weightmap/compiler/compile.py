@@ -236,6 +236,10 @@ def _compile(
     c = _Compiler(mapping, inputs, config, files)
     c.check_unique_inputs()
     values = c.params(params)
+    # One work budget (values.WORK_LIMIT) for everything a mapping evaluates once: `if`
+    # conditions, checks, config and files blocks. A budget per statement would let a short
+    # mapping multiply the work by its number of statements (`files { add ... }` repeated).
+    # Each tensor's expressions get their own budget, as their number follows the input's.
     scope = Scope(values, config, {}, None, c.exists)
     flat = _Flat()
     c.flatten(mapping.program.stmts, scope, flat)
@@ -519,8 +523,8 @@ def _edit_config(
     c: _Compiler, blocks: list[A.ConfigBlock], config: dict[str, Any] | None, scope: Scope
 ) -> dict[str, Any] | None:
     out_config = copy.deepcopy(config) if config is not None else None
-    # One work budget for all config blocks together (see values.WORK_LIMIT).
-    scope = Scope(scope.params, config, {}, None, scope.exists)
+    # The mapping's one work budget (see _compile), spent by the config blocks in turn.
+    scope = Scope(scope.params, config, {}, None, scope.exists, budget=scope.budget)
     for block in blocks:
         if out_config is None:
             c.report(block.loc, "the mapping edits config.json but the checkpoint has none")

@@ -88,7 +88,8 @@ class _Files:
 
     def rename(self, rule: A.FileRule, name: str, caps: dict[str, object], entry: _Entry) -> None:
         assert rule.output is not None
-        scope = Scope(self.scope.params, self.scope.config, caps, None, self.scope.exists)
+        s = self.scope
+        scope = Scope(s.params, s.config, caps, None, s.exists, budget=s.budget)
         try:
             new = render(rule.output, scope)
         except EvalError as err:
@@ -100,9 +101,13 @@ class _Files:
 
     def add(self, rule: A.FileRule) -> None:
         assert rule.name is not None and rule.value is not None
-        scope = Scope(self.scope.params, self.scope.config, {}, None, self.scope.exists)
+        s = self.scope
+        scope = Scope(s.params, s.config, {}, None, s.exists, budget=s.budget)
         try:
             value = compile_expr(rule.value)(scope)
+            # The file written counts against the mapping's budget as any built value does:
+            # `add "f" = config`, statement after statement, would write the config each time.
+            scope.charge_value(value, rule.value.loc)
         except EvalError as err:
             self.report(err.loc, err.message)
             return
