@@ -5,9 +5,9 @@ Building the parser takes ~0.1 s, and parsing a mapping with it ~0.06 s for a pr
 lines (lark's tree building, and the lexer's regular expressions compiled in each new
 process): most of a conversion that only renames. Loading either from a pickle takes a few
 milliseconds. Pickles run code when loaded, so the caches live only in a folder that this user
-owns and nobody else can write (never a shared temporary folder); every file is written to a
-temporary name and renamed into place, and one that does not load is removed.
-``WEIGHTMAP_PARSER_CACHE=0`` turns both off.
+owns and nobody else can write (never a shared temporary folder, never one named by a relative
+``XDG_CACHE_HOME``); every file is written to a temporary name and renamed into place, and one
+that does not load is removed. ``WEIGHTMAP_PARSER_CACHE=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from weightmap.language.resources import read_text
 
-__all__ = ["folder", "load", "program_file", "prune_programs", "save", "versions"]
+__all__ = ["folder", "load", "program_file", "program_key", "prune_programs", "save", "versions"]
 
 # Parsed programs kept; past this many, the oldest go. A program is a few KB, and a user's
 # mappings are few; code that makes mapping texts by the thousand (tests) must not fill a disk.
@@ -40,7 +40,9 @@ def folder() -> str | None:
     not this user's alone."""
     if os.environ.get("WEIGHTMAP_PARSER_CACHE", "1") == "0" or not hasattr(os, "getuid"):
         return None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = _cache_home()
+    if base is None:
+        return None
     path = os.path.join(base, "weightmap")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -52,6 +54,17 @@ def folder() -> str | None:
     if not _private(st) or not stat.S_ISDIR(st.st_mode):
         return None
     return path
+
+
+def _cache_home() -> str | None:
+    """``XDG_CACHE_HOME``, or ``~/.cache`` where it is unset, empty or relative (the XDG spec
+    says a relative path is invalid and ignored: ``XDG_CACHE_HOME=.cache`` would otherwise
+    load pickles from a folder of the current directory, such as a downloaded repository's).
+    None where even the home folder is not an absolute path (``HOME=.``)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return base if os.path.isabs(base) else None
 
 
 def _private(st: os.stat_result) -> bool:
@@ -146,6 +159,16 @@ def _code_digest() -> str | None:
     return h.hexdigest()
 
 
+def program_key(text: str, file: str) -> str:
+    """The full hash of a mapping text and its label, kept with the program parsed from them
+    and compared when it is loaded: a cache file is named by a shortened hash, and one that
+    holds another text's program (copied in, or left by a collision) must not be used."""
+    # The label is part of the program (every location names its file).
+    h = hashlib.sha256(file.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
 def program_file(text: str, file: str) -> str | None:
     """Where the program parsed from ``text`` (errors and plans labelled ``file``) is kept, or
     None when programs are not cached."""
@@ -153,10 +176,7 @@ def program_file(text: str, file: str) -> str | None:
     code = _code_digest()
     if where is None or code is None:
         return None
-    # The label is part of the program (every location names its file).
-    h = hashlib.sha256(code.encode())
-    h.update(file.encode("utf-8", "surrogatepass") + b"\0")
-    h.update(text.encode("utf-8", "surrogatepass"))
+    h = hashlib.sha256(f"{code}\0{program_key(text, file)}".encode())
     return os.path.join(where, f"{_PROGRAM_PREFIX}{h.hexdigest()[:32]}.pickle")
 
 

@@ -1,9 +1,10 @@
 """Mapping text -> :class:`~weightmap.language.ast.Program`, through the per-user cache.
 
 A program parsed before, from the same text under the same label by the same code, is loaded
-from the cache (``cache.py``); only a text not seen before is parsed (``syntax.py``). lark,
-its parser and the tree builder are imported then and only then: they take a fifth of a
-second to import, as long as a rename of a 4 GB drafter takes on a copy-on-write filesystem.
+from the cache (``cache.py``), kept there with the hash of its text, which is checked; only a
+text not seen before is parsed (``syntax.py``). lark, its parser and the tree builder are
+imported then and only then: they take a fifth of a second to import, as long as a rename of a
+4 GB drafter takes on a copy-on-write filesystem.
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ def parse_program(text: str, file: str = "<string>") -> A.Program:
     lines, loading it ~0.002 s. Only programs that parse are kept; an error is found anew.
     """
     where = _cache.program_file(text, file)
+    key = _cache.program_key(text, file)
     if where is not None:
         with gc_paused():  # (many small objects, no cycles: see fs/gcpause.py)
             found = _cache.load(where)
-        # The label is in the file's name too; a file that holds anything else is not used.
-        if type(found) is A.Program and found.file == file:
-            return found
+        # Kept as (key, program): used only for the very text and label that produced it. A
+        # file that holds anything else (another text's program, under this name) is not.
+        if type(found) is tuple and len(found) == 2 and found[0] == key:
+            program = found[1]
+            if type(program) is A.Program and program.file == file:
+                return program
     from weightmap.language.syntax import parse_text  # (lark: see the module docstring)
 
     program = parse_text(text, file)
     if where is not None:
         with contextlib.suppress(Exception):  # a cache that cannot be written is no error
-            _cache.save(program, where)
+            _cache.save((key, program), where)
             _cache.prune_programs(os.path.dirname(where))
     return program
