@@ -198,12 +198,14 @@ def compile_plan(
     *,
     params: dict[str, Any] | None = None,
     files: FolderFiles | None = None,
+    allow_code: bool = False,
 ) -> Plan:
     """Compile ``mapping`` against input headers and config.json into a Plan.
 
     ``files`` are the side files of the input folder (``inputs/sidefiles.py``); None when they
-    are not carried. Never reads tensor data. Raises :class:`CompileError` (a MappingError)
-    listing every problem with its file:line:col.
+    are not carried. ``allow_code``: the mapping's files blocks may add or rename into code
+    files (``*.py``; see ``files.py``). Never reads tensor data. Raises :class:`CompileError`
+    (a MappingError) listing every problem with its file:line:col.
 
     >>> from weightmap.language.mapping import load_mapping
     >>> m = load_mapping('weightmap 1\\nrename "a.{x}" -> "b.{x}"')
@@ -211,7 +213,7 @@ def compile_plan(
     'b.w'
     """
     with gc_paused():  # (fs/gcpause.py: a plan of many tensors makes no cycles)
-        return _compile(mapping, inputs, config, params, files)
+        return _compile(mapping, inputs, config, params, files, allow_code)
 
 
 def _check_arguments(params: Any, config: Any) -> None:
@@ -231,6 +233,7 @@ def _compile(
     config: dict[str, Any] | None,
     params: dict[str, Any] | None,
     files: FolderFiles | None = None,
+    allow_code: bool = False,
 ) -> Plan:
     _check_arguments(params, config)
     c = _Compiler(mapping, inputs, config, files)
@@ -252,7 +255,12 @@ def _compile(
     out_config = _edit_config(c, flat.configs, config, scope)
     where = A.Loc(mapping.name, 1, 1)
     side = apply_files_blocks(
-        flat.files, None if files is None else files.files, scope, c.report, where
+        flat.files,
+        None if files is None else files.files,
+        scope,
+        c.report,
+        where,
+        allow_code=allow_code,
     )
     check_names(outputs, c.report)
     c.warnings += stale_dtype_fields(outputs, config, out_config)

@@ -10,6 +10,14 @@ the output under its own name. Blocks apply in order, statement by statement, to
 Every problem is reported, as for tensor rules: a pattern that matches nothing, two files
 given one name, a name the output cannot hold. When side files are not carried
 (``side_files=False``), no block applies and ``exists file`` is false.
+
+A mapping is data from a stranger, so the names it gives (by ``add`` or ``rename``) keep the
+output folder safe to enter and open (docs/safety.md, "What a mapping may write"): no hidden
+component anywhere in the path (``.git/config``, ``tok/.git/config``, ``.envrc``), none of the
+other names a tool acts on when it enters or opens a folder, and no code file that loaders run
+(``*.py``: see ``plan/parts.py``) unless the caller allows code files. Files carried under their
+own name are the input's, downloaded by the user: they are carried, code or not, and the plan
+lists the code files among them.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from weightmap.inputs.sidefiles import FileSpec, bad_file_name
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
 from weightmap.language.values import EvalError, Scope
+from weightmap.plan.parts import is_code_file
 from weightmap.plan.plan import SideFile
 
-__all__ = ["apply_files_blocks", "file_exists"]
+__all__ = ["apply_files_blocks", "file_exists", "written_name_problem"]
 
 Report = Callable[[A.Loc, str], None]
 
@@ -36,6 +45,49 @@ def file_exists(files: Iterable[FileSpec] | None, pattern: A.Pattern) -> bool:
     """``exists file "pattern"``: a carried side file of the input matches."""
     rx = compile_pattern(pattern)
     return any(rx.fullmatch(f.name) for f in files or ())
+
+
+# Names that a tool acts on when it enters, opens or shows a folder, other than hidden ones
+# (`.git`, `.hg`, `.svn`, `.envrc`, `.vscode`, `.idea`, `.direnv`...: every hidden name is
+# refused), compared as Windows and macOS file systems compare names: case folded, trailing
+# dots and spaces dropped.
+_ACTIVE_NAMES = {
+    "__pycache__": "Python imports the compiled modules in it in place of the .py files beside it",
+    "git~1": "Windows file systems give `.git` this short name",
+    "desktop.ini": "Windows Explorer reads it when it shows the folder",
+    "autorun.inf": "Windows reads it when it mounts a drive",
+}
+
+
+def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> str | None:
+    """Why a mapping may not give a side file the name ``name``, or None if it may.
+
+    ``kept``: the file keeps the name it had in the input (a rename onto itself), which a
+    code file may do without ``allow_code``.
+
+    >>> written_name_problem("tok/.git/config", allow_code=False)[:36]
+    "has the hidden component '.git', and"
+    """
+    for part in name.split("/"):
+        if part.startswith("."):
+            return (
+                f"has the hidden component {part!r}, and a mapping never writes a hidden file or "
+                "folder (`.git/config` would make the output a repository whose settings run "
+                "a command on the next `git status`): choose a name without a leading dot"
+            )
+        why = _ACTIVE_NAMES.get(part.rstrip(". ").casefold())
+        if why is not None:
+            return (
+                f"has the component {part!r}, which a mapping never writes ({why}): choose "
+                "another name"
+            )
+    if is_code_file(name) and not (allow_code or kept):
+        return (
+            "is a code file that loaders run (transformers' trust_remote_code imports *.py); "
+            "a mapping adds or renames into one only when the caller allows it: "
+            "--allow-code-files, or allow_code=True"
+        )
+    return None
 
 
 @dataclass
@@ -47,10 +99,13 @@ class _Entry:
 
 
 class _Files:
-    def __init__(self, files: Iterable[FileSpec], scope: Scope, report: Report) -> None:
+    def __init__(
+        self, files: Iterable[FileSpec], scope: Scope, report: Report, allow_code: bool
+    ) -> None:
         self.set = {f.name: _Entry(f.name, f.size) for f in files}
         self.scope = scope
         self.report = report
+        self.allow_code = allow_code
 
     def matches(self, p: A.Pattern) -> list[tuple[str, dict[str, object]]]:
         rx = compile_pattern(p)
@@ -132,6 +187,9 @@ class _Files:
 
     def put(self, rule: A.FileRule, name: str, entry: _Entry, how: str) -> None:
         why = bad_file_name(name) if is_utf8(name) else "holds a lone surrogate escape"
+        if why is None:
+            kept = entry.source == name
+            why = written_name_problem(name, allow_code=self.allow_code, kept=kept)
         if why is not None:
             self.report(rule.loc, f"files: side file name {name[:80]!r} ({how}) {why}")
         elif name in self.set:
@@ -160,14 +218,18 @@ def apply_files_blocks(
     scope: Scope,
     report: Report,
     where: A.Loc,
+    *,
+    allow_code: bool = False,
 ) -> tuple[SideFile, ...]:
     """The output's side files: the input's ``files`` after every block, sorted by name.
 
     ``files`` None means side files are not carried: nothing is, and no block applies.
+    ``allow_code``: a block may add or rename into code files (see the module docstring).
+    ``scope``'s work budget is spent, the mapping's one budget (see ``compile.py``).
     """
     if files is None:
         return ()
-    state = _Files(files, scope, report)
+    state = _Files(files, scope, report, allow_code)
     for block in blocks:
         for rule in block.stmts:
             state.apply(rule)

@@ -149,7 +149,15 @@ def side_files(plan: Explainable) -> list[str]:
             how = f"from {one_line(f.source)} ({f.origin})"
         else:
             how = "carried"
-        lines.append(f"  file {one_line(f.name)}  {f.size:,} bytes, {how}")
+        code = ", code" if f.code else ""
+        lines.append(f"  file {one_line(f.name)}  {f.size:,} bytes, {how}{code}")
+    code_files = [one_line(f.name) for f in plan.files if f.code]
+    if code_files:
+        # Said apart, so that nobody loads the output with trust_remote_code unawares.
+        lines.append(
+            f"code files: {len(code_files)} (loaders run them: transformers' trust_remote_code "
+            f"imports *.py): {', '.join(code_files)}"
+        )
     return lines
 
 

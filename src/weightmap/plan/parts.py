@@ -14,7 +14,30 @@ from weightmap.format.dtypes import TensorSpec
 from weightmap.format.slots import slot_setter
 from weightmap.plan.nodes import Node
 
-__all__ = ["Dropped", "OutputTensor", "SideFile", "loc_dict", "loc_from_dict"]
+__all__ = [
+    "CODE_SUFFIXES",
+    "Dropped",
+    "OutputTensor",
+    "SideFile",
+    "is_code_file",
+    "loc_dict",
+    "loc_from_dict",
+]
+
+# Files that a loader runs as code when it loads the folder: Python source and compiled modules
+# (transformers' ``trust_remote_code`` imports ``*.py``; ``python`` started in the folder imports
+# any of these before the standard library's modules of the same name). A plan lists them; a
+# mapping adds or renames into them only when the caller allows it (docs/safety.md).
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".so")
+
+
+def is_code_file(name: str) -> bool:
+    """Whether the side file ``name`` (a relative path) is one a loader runs as code.
+
+    >>> is_code_file("modeling_eagle.py"), is_code_file("tokenizer.json")
+    (True, False)
+    """
+    return name.rsplit("/", 1)[-1].lower().endswith(CODE_SUFFIXES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,9 +107,17 @@ class SideFile:
     text: str | None = None
     origin: Loc | None = None
 
+    @property
+    def code(self) -> bool:
+        """Whether a loader runs this file as code (see :func:`is_code_file`)."""
+        return is_code_file(self.name)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; keys that are None are left out."""
+        """A JSON-ready dict; keys that are None are left out. ``code`` (true, for a file a
+        loader runs as code) is said for whoever reads the plan, and read back from the name."""
         d: dict[str, Any] = {"name": self.name, "size": self.size}
+        if self.code:
+            d["code"] = True
         if self.source is not None:
             d["source"] = self.source
         if self.text is not None:
