@@ -129,11 +129,13 @@ def compile(
     mapping: PathLike | RuleMapping | None = None,
     params: Mapping[str, Any] | None = None,
     side_files: bool = True,
+    allow_code: bool = False,
 ) -> Plan:
     """Compile a mapping against a checkpoint's headers and config into a :class:`Plan`.
 
     Reads no tensor data; every problem is reported at once as a ``MappingError``. The plan
-    lists the side files a conversion would carry (``side_files=False``: none).
+    lists the side files a conversion would carry (``side_files=False``: none), and which of
+    them are code files; ``allow_code`` as :func:`remap` takes it.
 
     >>> plan = compile("examples/eagle3-speculators", preset="eagle3-sglang")
     >>> print(plan.explain())                                   # doctest: +SKIP
@@ -143,12 +145,24 @@ def compile(
         src = ResolvedInput(checkpoint.root, True)
         files = src.side_files(checkpoint, rules.config_file, side_files, None)
         return compile_plan(
-            rules, checkpoint.specs(), checkpoint.config, params=_params(params), files=files
+            rules,
+            checkpoint.specs(),
+            checkpoint.config,
+            params=_params(params),
+            files=files,
+            allow_code=allow_code,
         )
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=False)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
         files = src.side_files(ckpt, rules.config_file, side_files, None)
-        return compile_plan(rules, ckpt.specs(), ckpt.config, params=_params(params), files=files)
+        return compile_plan(
+            rules,
+            ckpt.specs(),
+            ckpt.config,
+            params=_params(params),
+            files=files,
+            allow_code=allow_code,
+        )
 
 
 def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
@@ -174,6 +188,7 @@ def remap(
     workers: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     side_files: bool = True,
+    allow_code: bool = False,
     on_plan: Callable[[Plan], None] | None = None,
     layout: Layouts = "clone",
     executor: Executor = "local",
@@ -188,6 +203,10 @@ def remap(
     - ``side_files``: carry the folder's other files (tokenizer, generation config, README...)
       into ``out``, byte for byte, as the mapping's ``files { }`` blocks say; False writes
       the weights and config.json alone.
+    - ``allow_code``: the mapping's ``files`` blocks may add or rename into code files that
+      loaders run (``*.py``, which transformers' ``trust_remote_code`` imports); refused by
+      default. Code files carried under their own name are carried either way; the plan lists
+      every code file the output will hold. See docs/safety.md.
     - ``on_plan(plan)`` is called once the plan is made, before any byte is written.
     - ``preset`` names a mapping from :func:`presets`; ``mapping`` is a file path or rule text.
       ``params`` overrides the mapping's ``param`` defaults.
@@ -249,7 +268,9 @@ def remap(
             check_inplace_source(ckpt)
         if dest is not None and src.folder and src.repo is None:
             check_not_in_input(dest, ckpt.root)
-        plan = _compile_for(src, ckpt, rules, _params(params), side_files, dest, inplace)
+        plan = _compile_for(
+            src, ckpt, rules, _params(params), side_files, dest, inplace, allow_code
+        )
         if src.repo is not None or verify or executor != "local" or not plan.is_rename_only:
             pause.release()
         if on_plan is not None:
@@ -283,6 +304,7 @@ def _compile_for(
     side_files: bool,
     dest: Path | None,
     inplace: bool,
+    allow_code: bool = False,
 ) -> Plan:
     """The plan of ``rules`` over ``ckpt``, with the side files the chosen mode carries."""
     carried = src.side_files(ckpt, rules.config_file, side_files, dest)
@@ -291,7 +313,9 @@ def _compile_for(
         # sees (a preset's config.json edits depend on it); without the warnings about
         # entries a copy would skip, since nothing is copied.
         carried = FolderFiles(carried.files)
-    plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=params, files=carried)
+    plan = compile_plan(
+        rules, ckpt.specs(), ckpt.config, params=params, files=carried, allow_code=allow_code
+    )
     if inplace:
         # The folder's other files stay where they are: a files block that would change them
         # is refused, and the plan carries none.
@@ -353,6 +377,7 @@ def iter_tensors(
     preset: str | None = None,
     mapping: PathLike | RuleMapping | None = None,
     params: Mapping[str, Any] | None = None,
+    allow_code: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of the remapped checkpoint lazily, one output at a time.
 
@@ -367,7 +392,8 @@ def iter_tensors(
     first tensor is yielded; checks of values (an integer cast that overflows, mask positions
     out of range) raise ``ExecutionError`` when that tensor is reached. Two outputs of one
     input never share memory (a ``copy`` yields a copy); tensors a PyTorch checkpoint stores
-    tied come out tied, as ``torch.load`` gives them.
+    tied come out tied, as ``torch.load`` gives them. ``allow_code`` as :func:`remap` takes
+    it: the plan is the one ``remap`` would make, though no side file is written.
     """
     rules = resolve_mapping(preset, mapping)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
@@ -376,7 +402,14 @@ def iter_tensors(
         # With the side files `remap` lists, though none is copied: `exists file` must see
         # them, or a mapping that tests for one would yield other tensors than it writes.
         files = src.side_files(ckpt, rules.config_file, True, None)
-        plan = compile_plan(rules, ckpt.specs(), ckpt.config, params=_params(params), files=files)
+        plan = compile_plan(
+            rules,
+            ckpt.specs(),
+            ckpt.config,
+            params=_params(params),
+            files=files,
+            allow_code=allow_code,
+        )
         check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()

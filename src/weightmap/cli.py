@@ -154,6 +154,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         progress=progress,
         workers=args.workers,
         side_files=not args.no_side_files,
+        allow_code=args.allow_code_files,
         on_plan=show,
         layout=args.layout,
         executor="ray" if args.ray or args.ray_address else "local",
@@ -170,6 +171,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         mapping=_mapping_of(args),
         params=_params(args.set),
         side_files=not args.no_side_files,
+        allow_code=args.allow_code_files,
     )
     if args.json:
         doc = plan.to_dict()
@@ -313,7 +315,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.checkpoint is None:
         print(f"{args.mapping}: parses; give a checkpoint to check it against one")
         return 0
-    plan = compile_plan_for(args.checkpoint, mapping=rules, params=_params(args.set))
+    plan = compile_plan_for(
+        args.checkpoint, mapping=rules, params=_params(args.set), allow_code=args.allow_code_files
+    )
     _warn(plan)
     print(f"{args.mapping}: ok against {args.checkpoint}: {_summary(plan)}")
     return 0
@@ -390,6 +394,16 @@ def _side_files_arg(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
     )
 
 
+def _allow_code_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-code-files",
+        action="store_true",
+        help="let the mapping's files blocks add or rename into code files that loaders run "
+        "(*.py, which trust_remote_code imports); refused by default. The plan lists every "
+        "code file of the output",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
@@ -441,6 +455,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _side_files_arg(p)
+    _allow_code_arg(p)
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar, no summary: warnings and errors only"
     )
@@ -451,6 +466,7 @@ def _parser() -> argparse.ArgumentParser:
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     _side_files_arg(p, writes=False)
+    _allow_code_arg(p)
     p.set_defaults(func=_cmd_plan)
 
     p = add_parser("inspect", help="list a checkpoint's tensors")
@@ -476,6 +492,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
     )
+    _allow_code_arg(p)
     p.set_defaults(func=_cmd_check)
 
     p = add_parser("invert", help="print the inverse of a mapping (file or preset)")
