@@ -294,7 +294,7 @@ def test_an_absent_index_shard_is_still_missing(tmp_path: Path, example: Path) -
 # -- 6. permissions --------------------------------------------------------------------------------
 
 
-def test_carried_side_files_keep_their_permission_bits(ckpt: Path) -> None:
+def test_carried_side_files_keep_their_permission_bits_but_no_exec_bit(ckpt: Path) -> None:
     secret, script = ckpt / "secret.txt", ckpt / "run.sh"
     secret.write_text("s")
     secret.chmod(0o600)
@@ -303,7 +303,8 @@ def test_carried_side_files_keep_their_permission_bits(ckpt: Path) -> None:
     out = ckpt.parent / "out"
     weightmap.remap(ckpt, out, mapping=KEEP, progress=False)
     assert stat.S_IMODE((out / "secret.txt").stat().st_mode) == 0o600
-    assert stat.S_IMODE((out / "run.sh").stat().st_mode) == 0o755
+    # Nothing in an output folder is executable (docs/safety.md, "What a mapping may write").
+    assert stat.S_IMODE((out / "run.sh").stat().st_mode) == 0o644
 
 
 def test_an_inplace_rename_keeps_the_modes_of_the_files_it_replaces(

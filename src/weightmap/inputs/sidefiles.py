@@ -361,17 +361,19 @@ def open_side_file(root: Path, name: str, size: int) -> int:
 
 def copy_file(src_fd: int, dst: Path, size: int) -> None:
     """Copy ``size`` bytes of ``src_fd`` into the new file ``dst``, in the kernel if possible,
-    and fsync it; ``dst`` gets the source's permission bits.
+    and fsync it; ``dst`` gets the source's read and write permission bits, never an
+    executable bit.
 
     ``copy_file_range`` moves the bytes inside the kernel (or shares extents on file systems
     that can), so a large side file never passes through memory; where it is unavailable,
     bounded chunks go through user space.
     """
-    # Created private, then given the source's permission bits (never setuid, setgid or
-    # sticky): a 0600 secret must not come out world-readable, nor a script lose its exec bit.
+    # Created private, then given the source's read and write bits: a 0600 secret must not
+    # come out world-readable. No executable bit (nor setuid, setgid, sticky): an output folder
+    # holds nothing to run, whatever a mapping renames a file to (docs/safety.md).
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchmod(fd, stat.S_IMODE(os.fstat(src_fd).st_mode) & 0o777)
+        os.fchmod(fd, stat.S_IMODE(os.fstat(src_fd).st_mode) & 0o666)
         done = 0
         kernel = hasattr(os, "copy_file_range")
         while done < size:
