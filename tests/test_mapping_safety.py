@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,187 @@ from weightmap.errors import MappingError
 from weightmap.language import ast as A
 from weightmap.language import cache as language_cache
 from weightmap.language import grammar
+
+KEEP_ALL = "weightmap 1\nunmatched keep\n"
+
+
+def _folder(tmp_path: Path, example: Path) -> Path:
+    """A model folder with side files: a README, a tokenizer folder, custom code, a script."""
+    src = tmp_path / "src"
+    shutil.copytree(example, src)
+    (src / "README.md").write_text("# a model\n")
+    (src / "tok").mkdir()
+    (src / "tok" / "vocab.json").write_text("{}\n")
+    (src / "modeling_eagle.py").write_text("class Eagle: ...\n")
+    (src / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "run.sh").chmod(0o755)
+    return src
+
+
+def _files_mapping(*stmts: str) -> str:
+    body = "\n".join(f"    {s}" for s in stmts)
+    return f"weightmap 1\nunmatched keep\nfiles {{\n{body}\n}}\n"
+
+
+# -- what a mapping may write: no hidden path, no name a tool acts on ---------------------------
+
+# The issue's four files of a repository whose core.fsmonitor runs a command on `git status`.
+_GIT_REPO = ['".git/config"', '".git/HEAD"', '".git/refs/heads/k"', '".git/objects/info/k"']
+
+
+@pytest.mark.parametrize("name", _GIT_REPO)
+def test_a_mapping_cannot_add_a_git_repository(tmp_path: Path, example: Path, name: str) -> None:
+    src = _folder(tmp_path, example)
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, mapping=_files_mapping(f'add {name} = "x"'))
+    assert f"<string>:4:5: files: side file name {name[1:-1]!r} (added) has the hidden " in str(
+        info.value
+    )
+    assert "choose a name without a leading dot" in str(info.value)
+
+
+def test_the_planted_repository_is_refused_whole_and_nothing_is_written(
+    tmp_path: Path, example: Path
+) -> None:
+    src = _folder(tmp_path, example)
+    ran = tmp_path / "ran"
+    values = [f'"[core]\\n\\tfsmonitor = touch {ran}\\n"', '"ref: refs/heads/k\\n"', '"0"', '"x"']
+    stmts = [f"add {name} = {value}" for name, value in zip(_GIT_REPO, values, strict=True)]
+    with pytest.raises(MappingError, match=r"cannot be applied \(4 problems\)"):
+        weightmap.remap(src, tmp_path / "out", mapping=_files_mapping(*stmts), progress=False)
+    assert not (tmp_path / "out").exists() and not ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("stmt", "message"),
+    [
+        ('rename "README.md" -> ".git/config"', "'.git/config' (renamed from 'README.md') has"),
+        ('add "tok/.git/config" = "x"', "'tok/.git/config' (added) has the hidden component"),
+        ('rename "tok/{f}" -> "tok/.git/{f}"', "(renamed from 'tok/vocab.json') has the hidden"),
+        ('add ".envrc" = "x"', "'.envrc' (added) has the hidden component '.envrc'"),
+        ('add ".vscode/tasks.json" = {}', "has the hidden component '.vscode'"),
+        ('add "a/.hg/hgrc" = "x"', "has the hidden component '.hg'"),
+        ('add "__pycache__/m.cpython-312.pyc" = "x"', "the component '__pycache__', which a"),
+        ('add "GIT~1/config" = "x"', "Windows file systems give `.git` this short name"),
+        ('add "sub/Desktop.ini" = "x"', "Windows Explorer reads it when it shows the folder"),
+        ('add "Autorun.inf." = "x"', "Windows reads it when it mounts a drive"),
+    ],
+)
+def test_hidden_and_active_names_are_refused(
+    tmp_path: Path, example: Path, stmt: str, message: str
+) -> None:
+    src = _folder(tmp_path, example)
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, mapping=_files_mapping(stmt), allow_code=True)
+    assert "<string>:4:5: files: side file name " in str(info.value)
+    assert message in str(info.value)
+
+
+# -- code files: only when allowed, always listed -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stmt",
+    [
+        'add "modeling_x.py" = "import os\\n"',
+        'rename "README.md" -> "sitecustomize.py"',
+        'rename "modeling_eagle.py" -> "modeling_other.py"',
+        'add "tok/tokenizer.cpython-312-x86_64-linux-gnu.so" = "x"',
+        'add "json.PYC" = "x"',
+    ],
+)
+def test_code_files_are_refused_unless_allowed(tmp_path: Path, example: Path, stmt: str) -> None:
+    src = _folder(tmp_path, example)
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(src, mapping=_files_mapping(stmt))
+    assert "<string>:4:5: files: side file name " in str(info.value)
+    assert "is a code file that loaders run" in str(info.value)
+    assert "--allow-code-files, or allow_code=True" in str(info.value)
+    plan = weightmap.compile(src, mapping=_files_mapping(stmt), allow_code=True)
+    assert [f.name for f in plan.files if f.code and f.origin is not None]
+
+
+def test_carried_code_files_are_carried_and_listed(tmp_path: Path, example: Path) -> None:
+    """A .py the input already holds is the user's download: carried, without allow_code,
+    under its own name (a rename onto itself too), and listed as a code file."""
+    src = _folder(tmp_path, example)
+    for mapping in (KEEP_ALL, _files_mapping('rename "{m}.py" -> "{m}.py"')):
+        result = weightmap.remap(
+            src, tmp_path / "out", mapping=mapping, overwrite=True, progress=False
+        )
+        assert (tmp_path / "out" / "modeling_eagle.py").read_text() == "class Eagle: ...\n"
+        text = result.plan.explain()
+        assert "file modeling_eagle.py  17 bytes, " in text and ", code\n" in text
+        assert "code files: 1 (loaders run them" in text and text.count(", code") == 1
+        doc = result.plan.to_dict()
+        assert [f["name"] for f in doc["files"] if f.get("code")] == ["modeling_eagle.py"]
+        assert weightmap.Plan.from_json(result.plan.to_json()) == result.plan
+
+
+def test_allowed_code_files_are_written_and_listed(tmp_path: Path, example: Path) -> None:
+    src = _folder(tmp_path, example)
+    mapping = _files_mapping('add "configuration_x.py" = "X = 1\\n"')
+    result = weightmap.remap(
+        src, tmp_path / "out", mapping=mapping, allow_code=True, progress=False
+    )
+    assert (tmp_path / "out" / "configuration_x.py").read_text() == "X = 1\n"
+    assert "code files: 2 (" in result.plan.explain()
+    assert "configuration_x.py, modeling_eagle.py" in result.plan.explain()
+    # iter_tensors makes the plan remap makes: refused alike, allowed alike.
+    with pytest.raises(MappingError, match="is a code file that loaders run"):
+        weightmap.iter_tensors(src, mapping=mapping)
+    tensors = weightmap.iter_tensors(src, mapping=mapping, allow_code=True)
+    assert next(iter(tensors))[0]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weightmap", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_refuses_code_files_unless_allowed(tmp_path: Path, example: Path) -> None:
+    src = _folder(tmp_path, example)
+    rules = tmp_path / "m.wm"
+    rules.write_text(_files_mapping('add "modeling_x.py" = "import os\\n"'))
+    out = tmp_path / "out"
+    r = _cli("convert", str(src), str(out), "--mapping", str(rules), "--no-progress")
+    assert r.returncode != 0 and not out.exists()
+    assert f"{rules}:4:5: files: side file name 'modeling_x.py' (added) is a code file" in r.stderr
+    assert "--allow-code-files" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("plan", str(src), "--mapping", str(rules), "--allow-code-files")
+    assert r.returncode == 0, r.stderr
+    assert "code files: 2 (" in r.stdout and "file modeling_x.py  10 bytes, added" in r.stdout
+    r = _cli("check", str(rules), str(src))
+    assert r.returncode != 0 and "is a code file" in r.stderr
+    r = _cli("convert", str(src), str(out), "--mapping", str(rules), "--allow-code-files")
+    assert r.returncode == 0, r.stderr
+    assert (out / "modeling_x.py").read_text() == "import os\n"
+
+
+# -- no executable bit ---------------------------------------------------------------------------
+
+
+def test_nothing_written_is_executable(tmp_path: Path, example: Path) -> None:
+    """An executable input file comes out without its exec bits, carried or renamed, and so
+    does everything else the output holds; read and write bits are kept."""
+    src = _folder(tmp_path, example)
+    (src / "tok" / "vocab.json").chmod(0o750)
+    (src / "secret.txt").write_text("s")
+    (src / "secret.txt").chmod(0o700)
+    mapping = _files_mapping('rename "run.sh" -> "run.txt"', 'add "NOTICE" = "x"')
+    weightmap.remap(src, tmp_path / "out", mapping=mapping, progress=False)
+    out = tmp_path / "out"
+    modes = {
+        p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode)
+        for p in out.rglob("*")
+        if p.is_file()
+    }
+    assert "run.txt" in modes and "modeling_eagle.py" in modes
+    assert {n: m for n, m in modes.items() if m & 0o111} == {}
+    assert modes["run.txt"] == 0o644 and modes["secret.txt"] == 0o600
+    assert modes["tok/vocab.json"] == 0o640
+
 
 # -- the work budget: once per mapping, files blocks included -----------------------------------
 
