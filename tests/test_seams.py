@@ -60,7 +60,8 @@ def test_inplace_sees_the_side_files_a_conversion_sees(tmp_path: Path) -> None:
     ("block", "what"),
     [
         ('drop "README.md"', "dropped: README.md"),
-        ('rename "config.py" -> "code/config.py"', "renamed: config.py -> code/config.py"),
+        # (Not config.py: a mapping renames into a code file only when allowed.)
+        ('rename "README.md" -> "docs/README.md"', "renamed: README.md -> docs/README.md"),
         ('add "NOTICE" = "converted\\n"', "added: NOTICE"),
     ],
 )
