@@ -109,6 +109,7 @@ def test_hidden_and_active_names_are_refused(
         'rename "modeling_eagle.py" -> "modeling_other.py"',
         'add "tok/tokenizer.cpython-312-x86_64-linux-gnu.so" = "x"',
         'add "json.PYC" = "x"',
+        'add "Model.Py. " = "x"',
     ],
 )
 def test_code_files_are_refused_unless_allowed(tmp_path: Path, example: Path, stmt: str) -> None:
@@ -177,6 +178,8 @@ def test_cli_refuses_code_files_unless_allowed(tmp_path: Path, example: Path) ->
     assert r.returncode != 0 and "is a code file" in r.stderr
     r = _cli("convert", str(src), str(out), "--mapping", str(rules), "--allow-code-files")
     assert r.returncode == 0, r.stderr
+    # The summary names them, where the plan itself is not shown.
+    assert "side file(s), 2 of them code (modeling_eagle.py, modeling_x.py)" in r.stdout
     assert (out / "modeling_x.py").read_text() == "import os\n"
 
 

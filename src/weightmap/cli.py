@@ -108,11 +108,15 @@ def _named_mapping(spec: str) -> Mapping:
 
 def _summary(plan: Plan) -> str:
     total = sum(s.nbytes for s in plan.output_specs())
+    # Code files named even where the plan itself is not shown (a conversion without --dry-run).
+    code = [one_line(f.name) for f in plan.files if f.code]
+    more = ", ..." if len(code) > 3 else ""
     return (
         f"plan: {len(plan.inputs)} input tensors -> {len(plan.outputs)} outputs"
         f" ({len(plan.dropped)} dropped), {total:,} bytes ({_human(total)})"
         + ("; config.json edited" if plan.config_changed else "")
         + (f"; {len(plan.files)} side file(s)" if plan.files else "")
+        + (f", {len(code)} of them code ({', '.join(code[:3])}{more})" if code else "")
     )
 
 

@@ -37,7 +37,9 @@ def is_code_file(name: str) -> bool:
     >>> is_code_file("modeling_eagle.py"), is_code_file("tokenizer.json")
     (True, False)
     """
-    return name.rsplit("/", 1)[-1].lower().endswith(CODE_SUFFIXES)
+    # Compared as case-insensitive file systems (and Windows, which drops trailing dots and
+    # spaces) would open it: `Model.PY.` is `model.py` there.
+    return name.rsplit("/", 1)[-1].rstrip(". ").lower().endswith(CODE_SUFFIXES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
