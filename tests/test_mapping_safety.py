@@ -342,5 +342,9 @@ def test_a_cache_entry_of_another_text_is_not_used(
     rule = program.stmts[0]
     assert isinstance(rule, A.Rule)
     assert rule.outputs[0].text == "c.{x}"
-    # And the entry of A itself is still used for A.
-    assert parse_mod.parse_program(a, "m.wm") == parse_mod.parse_program(a, "m.wm")
+    # B's entry is written again, for B; A's own entry is still used for A (not rewritten).
+    assert pickle.loads(Path(file_b).read_bytes())[0] == language_cache.program_key(b, "m.wm")
+    written = os.stat(file_a).st_mtime_ns
+    again = parse_mod.parse_program(a, "m.wm").stmts[0]
+    assert isinstance(again, A.Rule) and again.outputs[0].text == "b.{x}"
+    assert os.stat(file_a).st_mtime_ns == written
