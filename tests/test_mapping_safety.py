@@ -39,9 +39,11 @@ def _folder(tmp_path: Path, example: Path) -> Path:
     return src
 
 
-def _files_mapping(*stmts: str) -> str:
+def _files_mapping(*stmts: str, before: str = "") -> str:
+    """A mapping that keeps every tensor, with ``before`` (lines) and a files block of
+    ``stmts``; its first statement is on line 4 when ``before`` is empty."""
     body = "\n".join(f"    {s}" for s in stmts)
-    return f"weightmap 1\nunmatched keep\nfiles {{\n{body}\n}}\n"
+    return f"weightmap 1\nunmatched keep\n{before}files {{\n{body}\n}}\n"
 
 
 # -- what a mapping may write: no hidden path, no name a tool acts on ---------------------------
@@ -211,10 +213,7 @@ def test_nothing_written_is_executable(tmp_path: Path, example: Path) -> None:
 
 
 def _compile_files(example: Path, stmts: list[str], before: str = "") -> weightmap.Plan:
-    body = "\n".join(f"    {s}" for s in stmts)
-    return weightmap.compile(
-        example, mapping=f"weightmap 1\nunmatched keep\n{before}files {{\n{body}\n}}\n"
-    )
+    return weightmap.compile(example, mapping=_files_mapping(*stmts, before=before))
 
 
 def test_files_statements_share_one_budget(example: Path) -> None:
