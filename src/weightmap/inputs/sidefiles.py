@@ -32,6 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from weightmap.errors import CheckpointError, ExecutionError
 from weightmap.format.layout import CONFIG_NAME
+from weightmap.fs.safeopen import kind, open_resolved
 
 __all__ = [
     "MAX_DEPTH",
@@ -214,17 +215,19 @@ class _Walk:
             return
         if link and not inside_folder(real, self.root):
             self.skip(name, f"it is a link that leaves the folder (to {real})")
+        elif link and stat.S_ISDIR(st.st_mode):
+            # Before the target's name is looked at: a link to the folder itself (``latest ->
+            # .``, ``sub/up -> ..``) has no name inside it.
+            self.skip(name, "it is a link to a folder (links to folders are not followed)")
         elif link and (why := _target_reason(real, self.root, self.config_name)):
             self.skip(name, why)
         elif stat.S_ISDIR(st.st_mode):
-            if link:
-                self.skip(name, "it is a link to a folder (links to folders are not followed)")
-            elif depth >= MAX_DEPTH:
+            if depth >= MAX_DEPTH:
                 self.skip(name, f"it is nested deeper than {MAX_DEPTH} folders")
             else:
                 self.folder(path, name, depth + 1)
         elif not stat.S_ISREG(st.st_mode):
-            self.skip(name, f"it is a {_kind(st.st_mode)}, not a regular file")
+            self.skip(name, f"it is a {kind(st.st_mode)}, not a regular file")
         elif len(name) > MAX_NAME_CHARS or bad_file_name(name) is not None:
             self.skip(name[:200], "its name cannot be written")
         else:
@@ -252,6 +255,8 @@ def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -
     if not resolved.is_relative_to(root):
         return None  # a hub cache blob, named by its hash: the link's own name was checked
     target = resolved.relative_to(root).as_posix()
+    if target == ".":
+        return "it is a link to the folder itself"
     reason = replaced_reason(target, config_name)
     if reason is None:
         return None
@@ -260,35 +265,6 @@ def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -
         f"it is a link to {target!r}, {what.get(reason, 'weights')}, which is not carried "
         "under its own name either"
     )
-
-
-def _open_no_links(resolved: Path) -> int:
-    """A read-only descriptor of ``resolved`` (a path with no links in it, as ``resolve``
-    made it), opened one folder at a time without following a link anywhere: a folder on the
-    way swapped for a link since it was resolved fails the open (ELOOP, ENOTDIR) instead of
-    leading elsewhere. ``O_NOFOLLOW`` on the whole path guards its last part only."""
-    parts = resolved.parts
-    # O_PATH (Linux): a folder one may pass through but not list (mode 0711) opens too.
-    walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
-    fd = os.open(parts[0], walk)
-    try:
-        for part in parts[1:-1]:
-            child = os.open(part, walk | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        return os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    return "special file"
 
 
 def list_side_files(
@@ -337,7 +313,7 @@ def open_side_file(root: Path, name: str, size: int) -> int:
             rule="changed",
         )
     try:
-        fd = _open_no_links(resolved)
+        fd = open_resolved(resolved)
     except OSError as err:
         if err.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
             raise CheckpointError(
