@@ -257,7 +257,7 @@ def test_the_side_files_space_is_reserved_before_any_tensor(
     monkeypatch.setattr(writer_mod, "fallocate", full_after_shards)
     out = tmp_path / "out"
     # Refused when the output is created, before any tensor byte is copied.
-    with pytest.raises(ExecutionError, match="cannot create the output.*No space left"):
+    with pytest.raises(ExecutionError, match=r"cannot create the output.*No space left"):
         weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
     assert not out.exists()
     # The tokenizer's bytes and the sparse file's allocated blocks, not its 64 MiB.

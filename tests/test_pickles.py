@@ -314,9 +314,9 @@ def test_a_zero_stride_tensor_past_the_file_is_refused_leaving_nothing(tmp_path:
     assert info.value.rule == "overflow" and "past 2**63" in str(info.value)
     out = tmp_path / "out"
     (tmp_path / "keep.wm").write_text(KEEP_ALL)
+    command = ["convert", str(src), str(out), "--mapping", str(tmp_path / "keep.wm")]
     r = subprocess.run(
-        [sys.executable, "-m", "weightmap", "convert", str(src), str(out), "--mapping",
-         str(tmp_path / "keep.wm")],  # fmt: skip
+        [sys.executable, "-m", "weightmap", *command],
         capture_output=True,
         text=True,
         timeout=120,
