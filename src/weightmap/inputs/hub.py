@@ -132,7 +132,7 @@ class HubRepo:
         ref = storage / "refs" / revision
         if not (ref.exists() or ref.is_symlink()):
             return None
-        with opened(storage, ref, f"the cache's refs/{revision}") as fd:
+        with opened(storage, ref, f"the cache's refs/{revision}", "the cache") as fd:
             data = read_bounded(fd, _MAX_REF)
         if len(data) > _MAX_REF:
             raise CheckpointError(

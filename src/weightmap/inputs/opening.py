@@ -33,7 +33,9 @@ def _changed(what: str, path: Path, err: OSError) -> CheckpointError:
     )
 
 
-def open_in_folder(root: Path, path: Path, what: str) -> int:
+def open_in_folder(
+    root: Path, path: Path, what: str, where: str = "the checkpoint's folder"
+) -> int:
     """A read-only descriptor of the regular file ``path`` of folder ``root``, opened once.
 
     Refused (``CheckpointError``): a link that cannot be followed (``dangling-link``), one
@@ -52,8 +54,8 @@ def open_in_folder(root: Path, path: Path, what: str) -> int:
         ) from None
     if not inside_folder(resolved, real_root):
         raise CheckpointError(
-            f"{what} is a link that leaves the checkpoint's folder (to {resolved}); copy the "
-            "file into the folder if it belongs to this checkpoint",
+            f"{what} is a link that leaves {where} (to {resolved}); put the file itself there "
+            "if it belongs to this checkpoint",
             path=path,
             rule="link-escape",
         )
@@ -79,9 +81,11 @@ def open_in_folder(root: Path, path: Path, what: str) -> int:
 
 
 @contextlib.contextmanager
-def opened(root: Path, path: Path, what: str) -> Iterator[int]:
+def opened(
+    root: Path, path: Path, what: str, where: str = "the checkpoint's folder"
+) -> Iterator[int]:
     """:func:`open_in_folder`, closed when the block ends."""
-    fd = open_in_folder(root, path, what)
+    fd = open_in_folder(root, path, what, where)
     try:
         yield fd
     finally:
