@@ -421,3 +421,18 @@ def test_fifo_blobs_are_named(tmp_path: Path, example: Path) -> None:
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "model.safetensors" in r.stderr and "FIFO" in r.stderr
     assert "holds no checkpoint" not in r.stderr
+
+
+def test_a_snapshot_linked_out_of_the_cache_is_refused_before_a_download(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = _fake_hub(monkeypatch, tmp_path, _model(tmp_path, example))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    snapshots = tmp_path / "cache" / "models--org--tiny" / "snapshots"
+    snapshots.mkdir(parents=True)
+    (snapshots / COMMIT).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError) as info:
+        weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", progress=False)
+    assert info.value.rule == "hub-snapshot-link"
+    assert asked == [] and list(elsewhere.iterdir()) == []

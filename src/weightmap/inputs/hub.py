@@ -301,6 +301,12 @@ class HubRepo:
                         super().__init__(*args, **kw)
 
                 kwargs["tqdm_class"] = _Quiet
+            if self.commit is not None:
+                # huggingface_hub would download into a snapshot folder that is a link, out
+                # of the cache too: refused before a byte is fetched.
+                known = self._storage() / "snapshots" / self.commit
+                if known.is_dir():
+                    self._check_snapshot(known)
             try:
                 folder = Path(
                     self.hub.snapshot_download(
