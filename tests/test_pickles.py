@@ -344,3 +344,31 @@ def test_compressed_members_are_refused_by_name(tmp_path: Path) -> None:
         Checkpoint.open(src)
     assert info.value.rule == "pickle-compressed"
     assert "member 'plain/data.pkl' is compressed" in str(info.value)
+
+
+def test_an_indexed_shard_swapped_for_a_link_after_its_check_is_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shard = src / "pytorch_model-00001-of-00001.bin"
+    torch.save({"a": torch.ones(2)}, shard)
+    index = {"weight_map": {"a": shard.name}}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    outside = tmp_path / "someone-elses.bin"
+    torch.save({"a": torch.full((2,), 7.0)}, outside)
+    real_resolve = Path.resolve
+    swapped: list[Path] = []
+
+    def racing(self: Path, strict: bool = False) -> Path:
+        out = real_resolve(self, strict)
+        if self == shard and not swapped:  # right after the name was checked
+            shard.unlink()
+            shard.symlink_to(outside)
+            swapped.append(shard)
+        return out
+
+    monkeypatch.setattr(Path, "resolve", racing)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(src)
+    assert swapped and info.value.rule == "link-escape"

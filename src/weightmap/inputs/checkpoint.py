@@ -465,7 +465,8 @@ class Checkpoint:
         for f in files:
             header: Header
             if is_pickle(f):
-                header, loaded[f] = read_pickle(f)
+                # A shard an index names must stay in the folder, as it is opened too.
+                header, loaded[f] = read_pickle(f, root if index_path is not None else None)
             else:
                 header = read_header(f)
             headers[f] = header

@@ -44,6 +44,7 @@ from weightmap.format.dtypes import DTYPES
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.text import is_utf8
 from weightmap.fs.safeopen import fd_path, kind, open_resolved, regular
+from weightmap.inputs.opening import open_in_folder
 from weightmap.inputs.sidefiles import resolve_path
 
 if TYPE_CHECKING:
@@ -299,11 +300,17 @@ def _open(p: Path) -> int:
     return fd
 
 
-def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
+def read_pickle(
+    path: str | os.PathLike[str], within: Path | None = None
+) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
     """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
-    tensors, each a copy-on-write view of the memory-mapped file."""
+    tensors, each a copy-on-write view of the memory-mapped file.
+
+    ``within``: the folder the file must stay in (a shard an index names), checked on the
+    file as it is opened, not on its name beforehand.
+    """
     p = Path(path)
-    fd = _open(p)
+    fd = _open(p) if within is None else open_in_folder(within, p, f"shard {p.name!r}")
     try:
         st = os.fstat(fd)
         # Every later read goes through the descriptor's own name: a file swapped since it
