@@ -1337,7 +1337,7 @@ def test_a_fifo_where_json_is_read_is_refused_without_waiting(tmp_path: Path) ->
 
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    with pytest.raises(CheckpointError, match=r"not a regular file \[not-a-file\]"):
+    with pytest.raises(CheckpointError, match=r"is a FIFO, not a regular file.*\[not-a-file\]"):
         read_json_file(fifo, "config.json")
 
 
@@ -1467,6 +1467,6 @@ def test_a_side_file_that_cannot_be_read_says_so_not_changed(
     def denied(resolved: Path) -> int:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(sidefiles, "_open_no_links", denied)
+    monkeypatch.setattr(sidefiles, "open_resolved", denied)
     with pytest.raises(CheckpointError, match=r"make it readable.*\[side-file\]"):
         sidefiles.open_side_file(ckpt, "tokenizer.json", 2)

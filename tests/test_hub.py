@@ -336,3 +336,103 @@ def test_a_hub_index_without_a_weight_map_object_is_named(
     with pytest.raises(CheckpointError, match=r'"weight_map" object') as info:
         weightmap.compile("org/tiny", preset="eagle3-sglang")
     assert info.value.rule == "index"  # type: ignore[attr-defined]
+
+
+# -- issue 33: a Hub cache follows the local folder's rules, and is read bounded ---------------
+
+
+def _limited() -> None:
+    """A child that reads a device without end runs out of memory quickly, not the machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_ref_that_is_a_fifo_or_device_is_refused_at_once(
+    tmp_path: Path, example: Path, special: str
+) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    ref = tmp_path / "cache" / "models--org--tiny" / "refs" / "main"
+    ref.unlink()
+    if special == "fifo":
+        os.mkfifo(ref)
+    else:
+        ref.symlink_to(special)
+    r = subprocess.run(
+        [sys.executable, "-m", "weightmap", "inspect", "org/tiny"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a FIFO was waited on for ever
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"},
+        preexec_fn=_limited,
+    )
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "refs/main" in r.stderr and "Traceback" not in r.stderr
+    assert ("FIFO" in r.stderr) if special == "fifo" else ("/dev/zero" in r.stderr)
+
+
+def test_a_snapshot_folder_linked_out_of_the_cache_is_refused(
+    tmp_path: Path, example: Path
+) -> None:
+    snap = cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(snap, elsewhere, symlinks=False)
+    shutil.rmtree(snap)
+    snap.symlink_to(elsewhere)
+    r = _run("convert", "org/tiny", str(tmp_path / "out"), "--preset", "eagle3-sglang",
+             cache=tmp_path / "cache")  # fmt: skip
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "outside the cache" in r.stderr and "[hub-snapshot-link]" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cached_entries_linking_out_of_the_cache_are_skipped_at_plan_time(
+    tmp_path: Path, example: Path
+) -> None:
+    snap = cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    (snap / "notes.txt").symlink_to(secret)
+    r = _run("plan", "org/tiny", "--preset", "eagle3-sglang", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    shown = r.stdout + r.stderr
+    assert "'notes.txt' is not carried: it is a link that leaves the cache" in shown
+    assert "3 side file(s)" in r.stdout
+    out = tmp_path / "out"
+    r = _run("convert", "org/tiny", str(out), "--preset", "eagle3-sglang",
+             cache=tmp_path / "cache")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert not (out / "notes.txt").exists() and (out / "tokenizer.json").exists()
+
+
+def test_fifo_blobs_are_named(tmp_path: Path, example: Path) -> None:
+    snap = cache_repo(tmp_path / "cache", _model(tmp_path, example))
+    blobs = tmp_path / "cache" / "models--org--tiny" / "blobs"
+    os.mkfifo(blobs / "fifo")
+    (snap / "chat_template.jinja").symlink_to("../../blobs/fifo")
+    r = _run("plan", "org/tiny", "--preset", "eagle3-sglang", cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert "'chat_template.jinja' is not carried: it is a FIFO" in r.stdout + r.stderr
+    # The weights a FIFO: named as such, not "holds no checkpoint".
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to("../../blobs/fifo")
+    r = _run("inspect", "org/tiny", cache=tmp_path / "cache")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "model.safetensors" in r.stderr and "FIFO" in r.stderr
+    assert "holds no checkpoint" not in r.stderr
+
+
+def test_a_snapshot_linked_out_of_the_cache_is_refused_before_a_download(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = _fake_hub(monkeypatch, tmp_path, _model(tmp_path, example))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    snapshots = tmp_path / "cache" / "models--org--tiny" / "snapshots"
+    snapshots.mkdir(parents=True)
+    (snapshots / COMMIT).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError) as info:
+        weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", progress=False)
+    assert info.value.rule == "hub-snapshot-link"
+    assert asked == [] and list(elsewhere.iterdir()) == []

@@ -116,6 +116,12 @@ def _save_legacy(path: Path) -> None:
             "pickle-code",
             "holds objects that loading would have to run code for (argparse.Namespace)",
         ),
+        # A module torch blocks outright is worded otherwise (torch 2.13): named all the same.
+        (
+            {"w": torch.ones(2), "run": os.system},
+            "pickle-code",
+            "holds objects that loading would have to run code for (posix.system)",
+        ),
         ([torch.ones(2)], "pickle", "holds a list, not a dict of tensors"),
         ({"w": torch.ones(2, dtype=torch.complex128)}, "pickle", "which safetensors has no name"),
         ({"w": torch.ones(2), "step": 3}, "pickle", "1 entry ('step') are not tensors"),
@@ -294,3 +300,75 @@ def test_names_that_are_no_utf8_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(tmp_path)
     assert info.value.rule == "header-utf8" and "lone surrogate" in str(info.value)
+
+
+def test_a_zero_stride_tensor_past_the_file_is_refused_leaving_nothing(tmp_path: Path) -> None:
+    # 2**64 bytes from one stored value: the writer crashed with OverflowError at ftruncate
+    # and left its temporary folder behind.
+    src = tmp_path / "src"
+    src.mkdir()
+    huge = torch.zeros(1, dtype=torch.float64).as_strided((2**30, 2**31), (0, 0))
+    torch.save({"w": torch.ones(2), "huge": huge}, src / "pytorch_model.bin")
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(src)
+    assert info.value.rule == "overflow" and "past 2**63" in str(info.value)
+    out = tmp_path / "out"
+    (tmp_path / "keep.wm").write_text(KEEP_ALL)
+    command = ["convert", str(src), str(out), "--mapping", str(tmp_path / "keep.wm")]
+    r = subprocess.run(
+        [sys.executable, "-m", "weightmap", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "'huge'" in r.stderr and "[overflow]" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.wm", "src"]
+
+
+def test_compressed_members_are_refused_by_name(tmp_path: Path) -> None:
+    import zipfile
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(1000)}, plain)
+    src = tmp_path / "src"
+    src.mkdir()
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(src / "pytorch_model.bin", "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/data.pkl"):  # deflated, as no torch.save writes it
+                zout.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                zout.writestr(info, data)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(src)
+    assert info.value.rule == "pickle-compressed"
+    assert "member 'plain/data.pkl' is compressed" in str(info.value)
+
+
+def test_an_indexed_shard_swapped_for_a_link_after_its_check_is_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shard = src / "pytorch_model-00001-of-00001.bin"
+    torch.save({"a": torch.ones(2)}, shard)
+    index = {"weight_map": {"a": shard.name}}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    outside = tmp_path / "someone-elses.bin"
+    torch.save({"a": torch.full((2,), 7.0)}, outside)
+    real_resolve = Path.resolve
+    swapped: list[Path] = []
+
+    def racing(self: Path, strict: bool = False) -> Path:
+        out = real_resolve(self, strict)
+        if self == shard and not swapped:  # right after the name was checked
+            shard.unlink()
+            shard.symlink_to(outside)
+            swapped.append(shard)
+        return out
+
+    monkeypatch.setattr(Path, "resolve", racing)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(src)
+    assert swapped and info.value.rule == "link-escape"

@@ -13,11 +13,18 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from weightmap.format.writer import RESERVE_NAME
 from weightmap.fs.atomic import fsync_dir
-from weightmap.inputs.sidefiles import copy_file, open_side_file, same_bytes
+from weightmap.inputs.sidefiles import (
+    allocated,
+    copy_file,
+    open_side_file,
+    resolve_path,
+    same_bytes,
+)
 from weightmap.plan.plan import SideFile
 
-__all__ = ["check_side_files", "write_side_files"]
+__all__ = ["check_side_files", "side_files_space", "write_side_files"]
 
 
 def _make_parents(folder: Path, name: str, made: set[Path]) -> Path:
@@ -41,6 +48,8 @@ def write_side_files(
     ``root`` is the input folder that carried files are read from. Returns the paths written,
     under ``folder``.
     """
+    # The space reserved for them with the shards' (format/writer.py), given back to be used.
+    (folder / RESERVE_NAME).unlink(missing_ok=True)
     made: set[Path] = set()
     written = []
     for f in files:
@@ -58,7 +67,7 @@ def write_side_files(
         else:
             src = open_side_file(root, f.source, f.size)
             try:
-                copy_file(src, target, f.size)
+                copy_file(src, target, f.size, root / f.source)
             finally:
                 os.close(src)
         written.append(target)
@@ -69,6 +78,24 @@ def write_side_files(
     if files:
         fsync_dir(folder)
     return written
+
+
+def side_files_space(files: Sequence[SideFile], root: Path) -> int:
+    """The bytes of disk the side files will take: a carried file's allocated blocks (a
+    sparse file's holes stay holes in the copy), or its planned size where it cannot be
+    looked at yet (a Hub file not downloaded); an added file's text."""
+    total = 0
+    for f in files:
+        if f.source is None:
+            total += len((f.text or "").encode("utf-8"))
+            continue
+        try:
+            st = os.stat(resolve_path(root / f.source))
+        except OSError:  # checked, and named, when it is opened to be copied
+            total += f.size
+            continue
+        total += min(allocated(st), f.size)
+    return total
 
 
 def check_side_files(files: Sequence[SideFile], folder: Path, root: Path | None) -> list[str]:

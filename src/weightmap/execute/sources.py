@@ -15,6 +15,7 @@ from typing import cast
 from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.kernels import OPAQUE_DTYPES
 from weightmap.execute.segments import Segment, byte_segments
+from weightmap.execute.sidefiles import side_files_space
 from weightmap.format.dtypes import nbytes
 from weightmap.format.header import TensorInfo
 from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
@@ -203,4 +204,5 @@ def plan_writer(
         )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)
+    writer.reserve_after = side_files_space(plan.files, ckpt.root)
     return writer, sources

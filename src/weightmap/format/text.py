@@ -9,11 +9,11 @@ that are not JSON at all.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
-import stat
 import sys
 from collections.abc import Iterable
 from itertools import accumulate
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import CheckpointError
+from weightmap.fs.safeopen import kind, read_bounded, regular
 
 __all__ = [
     "MAX_INT_BITS",
@@ -304,30 +305,59 @@ def redacted(text: str, limit: int = 300, secrets: Iterable[str] = ()) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def read_json_file(path: Path, what: str, *, max_size: int = MAX_JSON_FILE) -> Any:
+def read_json_file(
+    path: Path, what: str, *, max_size: int = MAX_JSON_FILE, fd: int | None = None
+) -> Any:
     """Read a small JSON file strictly, or raise a :class:`CheckpointError` naming ``what``.
 
-    Checked: bounded size, UTF-8, valid JSON, bounded depth, and nothing that could not be
-    written back as UTF-8.
+    Checked: a regular file (never a FIFO or device, which are refused without waiting on
+    them), bounded size, UTF-8, valid JSON, bounded depth, and nothing that could not be
+    written back as UTF-8. ``fd``, when given, is the file already opened and checked by the
+    caller (``inputs/opening.py``): it is read through that descriptor alone, and left open.
+    Without it, ``path`` is opened once here and a link at its last part is refused.
     """
-    # NONBLOCK: a FIFO put where the file should be is refused below, not waited on; the
-    # checks are made on the open file, whatever the name points to by now.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{what} is not a regular file", path=path, rule="not-a-file")
-        if st.st_size > max_size:
-            raise CheckpointError(
-                f"{what} is {st.st_size} bytes, over the {max_size}-byte limit",
-                path=path,
-                rule="json-too-large",
-            )
-        data = f.read(st.st_size + 1)
+    if fd is not None:
+        return _read_json_fd(fd, path, what, max_size)
+    try:
+        own = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(
+            f"{what} is a symbolic link, which is not followed here; put the file there",
+            path=path,
+            rule="link-escape",
+        ) from None
+    try:
+        return _read_json_fd(own, path, what, max_size)
+    finally:
+        os.close(own)
+
+
+def _read_json_fd(fd: int, path: Path, what: str, max_size: int) -> Any:
+    st = regular(fd)
+    if st is None:
+        shown = kind(os.fstat(fd).st_mode)
+        raise CheckpointError(
+            f"{what} is a {shown}, not a regular file; remove it or put the file there",
+            path=path,
+            rule="not-a-file",
+        )
+    if st.st_size > max_size:
+        raise CheckpointError(
+            f"{what} is {st.st_size} bytes, over the {max_size}-byte limit",
+            path=path,
+            rule="json-too-large",
+        )
+    data = read_bounded(fd, st.st_size)
     if len(data) != st.st_size:
         raise CheckpointError(
             f"{what} changed while it was read; try again", path=path, rule="changed"
         )
+    return _parse_json_bytes(data, path, what)
+
+
+def _parse_json_bytes(data: bytes, path: Path, what: str) -> Any:
     try:
         text = data.decode("utf-8")
         value = json.loads(text)

@@ -70,6 +70,9 @@ COPY_PIECE = 8 * 2**20
 _CLONE_PIECE = 2**30
 # What the probe clones: one block of the common size (a clone must cover whole blocks).
 _PROBE_BYTES = 4096
+# Space held in the temporary folder, from the start, for the files written after the shards
+# (the side files): released just before they are written.
+RESERVE_NAME = ".side-files.reserve"
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,9 @@ class CheckpointWriter:
         # Called with the finished temporary folder just before it is moved into place; an
         # exception from it discards the output (used to verify before committing).
         self.before_move: Callable[[Path], None] | None = None
+        # Bytes of disk the files written into the temporary folder after the shards need
+        # (the side files), reserved with the shards' (see _reserve).
+        self.reserve_after = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -329,6 +335,15 @@ class CheckpointWriter:
                 if begin > position and not fallocate(fd, position, begin - position):
                     break  # the filesystem cannot reserve space; the writes will allocate it
                 position = max(position, end)
+        if self.reserve_after > 0:
+            # Counted with the rest before the first byte is copied: a disk too small for the
+            # side files fails here, not after minutes of tensors.
+            assert self.tmp is not None
+            fd = os.open(self.tmp / RESERVE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fallocate(fd, 0, self.reserve_after)
+            finally:
+                os.close(fd)
 
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
@@ -492,6 +507,8 @@ class CheckpointWriter:
             fsync_dir(self.tmp)
             if self.before_move is not None:
                 self.before_move(self.tmp)
+            # (Released by whoever wrote the side files; never part of the output.)
+            (self.tmp / RESERVE_NAME).unlink(missing_ok=True)
             self._move_into_place(self.tmp)
         except BaseException:
             self.abort()

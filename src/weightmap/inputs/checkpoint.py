@@ -25,11 +25,12 @@ from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
-from weightmap.format.text import is_utf8, read_json_file
+from weightmap.format.text import is_utf8
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
+from weightmap.inputs.opening import read_folder_json
 from weightmap.inputs.pickles import PickleHeader, is_pickle, read_pickle, release_pages
-from weightmap.inputs.sidefiles import cache_blobs, inside_folder, resolve_path
+from weightmap.inputs.sidefiles import cache_blobs, resolve_path
 
 if TYPE_CHECKING:
     import torch
@@ -119,27 +120,6 @@ def leaves_folder(root: Path, path: Path) -> Path | None:
     blobs = cache_blobs(real_root)
     in_cache = blobs is not None and resolved.parent == blobs
     return None if resolved.parent == real_root or in_cache else resolved
-
-
-def _refuse_escape(root: Path, path: Path, what: str) -> None:
-    """A JSON file of the folder (config, index; a ``config from`` file may sit in a
-    subfolder) must not be a link to a file outside it: its text would be read as the
-    checkpoint's, and a config is written into the output."""
-    try:
-        resolved = resolve_path(path)
-    except OSError as err:  # a loop of links, made since the file was found: nothing to read
-        raise CheckpointError(
-            f"{what} is a link that cannot be followed ({err.strerror}); fix or remove the link",
-            path=path,
-            rule="dangling-link",
-        ) from None
-    if not inside_folder(resolved, resolve_path(root)):
-        raise CheckpointError(
-            f"{what} is a link that leaves the checkpoint's folder (to {resolved}); copy the "
-            "file into the folder if it belongs to this checkpoint",
-            path=path,
-            rule="link-escape",
-        )
 
 
 # torch sizes are signed 64-bit; the format's are u64, so an empty tensor may have a
@@ -265,8 +245,7 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
             path=root,
             rule="missing-config",
         )
-    _refuse_escape(root, config_path, name)
-    loaded = read_json_file(config_path, name)
+    loaded = read_folder_json(root, config_path, name)
     if not isinstance(loaded, dict):
         raise CheckpointError(
             f"{name} holds a JSON {type(loaded).__name__}, not an object",
@@ -416,8 +395,7 @@ class Checkpoint:
 
     @classmethod
     def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
-        _refuse_escape(root, index_path, index_path.name)
-        index = read_json_file(index_path, "the index")
+        index = read_folder_json(root, index_path, index_path.name)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(
                 'index must be a JSON object with a "weight_map" object',
@@ -487,7 +465,8 @@ class Checkpoint:
         for f in files:
             header: Header
             if is_pickle(f):
-                header, loaded[f] = read_pickle(f)
+                # A shard an index names must stay in the folder, as it is opened too.
+                header, loaded[f] = read_pickle(f, root if index_path is not None else None)
             else:
                 header = read_header(f)
             headers[f] = header

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,14 +27,18 @@ from urllib.parse import urlsplit
 from weightmap.errors import CheckpointError
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
+from weightmap.fs.safeopen import kind, read_bounded
 from weightmap.inputs.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
+from weightmap.inputs.opening import opened, read_folder_json
 from weightmap.inputs.sidefiles import (
     MAX_DEPTH,
     MAX_SIDE_FILES,
     FileSpec,
     FolderFiles,
     bad_file_name,
+    inside_folder,
     replaced_reason,
+    resolve_path,
 )
 
 __all__ = ["HubRepo", "looks_like_repo_id"]
@@ -43,6 +48,8 @@ _REPO_ID = re.compile(
 )
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE = ("1", "true", "yes", "on")
+# A ref holds a 40-character commit id; more is no ref (a link to /dev/zero never ends).
+_MAX_REF = 256
 
 
 def looks_like_repo_id(spec: str) -> bool:
@@ -96,20 +103,64 @@ class HubRepo:
         default = self.hub.constants.HF_HUB_CACHE
         return Path(os.environ.get("HF_HUB_CACHE") or default)
 
+    def _storage(self) -> Path:
+        return self._cache() / f"models--{self.repo_id.replace('/', '--')}"
+
     def cached_snapshot(self) -> Path | None:
-        """The cached snapshot folder of this revision, or None when it is not cached."""
-        storage = self._cache() / f"models--{self.repo_id.replace('/', '--')}"
+        """The cached snapshot folder of this revision, or None when it is not cached.
+
+        Refused: a ref that is no small regular file (a FIFO is never waited on, a link to
+        ``/dev/zero`` never read), and a snapshot folder that is a link out of the cache.
+        """
+        storage = self._storage()
         commit = self.commit or (self.revision if _COMMIT.fullmatch(self.revision) else None)
         if commit is None:
-            ref = storage / "refs" / self.revision
-            try:
-                commit = ref.read_text().strip()
-            except OSError:
+            commit = self._read_ref(storage, self.revision)
+            if commit is None:
                 return None
         if not _COMMIT.fullmatch(commit):
             return None
         folder = storage / "snapshots" / commit
-        return folder if folder.is_dir() else None
+        if not folder.is_dir():
+            return None
+        self._check_snapshot(folder)
+        return folder
+
+    def _read_ref(self, storage: Path, revision: str) -> str | None:
+        """The commit ``refs/<revision>`` names, read once through a checked descriptor and
+        bounded; None where there is no such ref."""
+        ref = storage / "refs" / revision
+        if not (ref.exists() or ref.is_symlink()):
+            return None
+        with opened(storage, ref, f"the cache's refs/{revision}", "the cache") as fd:
+            data = read_bounded(fd, _MAX_REF)
+        if len(data) > _MAX_REF:
+            raise CheckpointError(
+                f"the cache's refs/{revision} holds more than {_MAX_REF} bytes, not a commit id; "
+                "remove it (it is written again on the next download)",
+                path=ref,
+                rule="hub-ref",
+            )
+        return data.decode("ascii", "replace").strip()
+
+    def _check_snapshot(self, folder: Path) -> None:
+        """Refuse a snapshot folder that is a link to a folder outside the repository's part
+        of the cache: its files would be read as the repository's."""
+        try:
+            real = resolve_path(folder)
+            storage = resolve_path(self._storage())
+        except OSError as err:
+            raise CheckpointError(
+                f"the cached snapshot cannot be followed ({err.strerror})",
+                path=folder,
+                rule="dangling-link",
+            ) from None
+        if real.parent != storage / "snapshots":
+            raise self._fail(
+                f"its cached snapshot {folder} is a link to a folder outside the cache (to "
+                f"{real}); remove the link and download the revision again",
+                "hub-snapshot-link",
+            )
 
     def files(self) -> dict[str, int]:
         """Every file of the revision and its size: from the Hub, or from the cache offline."""
@@ -133,11 +184,7 @@ class HubRepo:
         listed = self._cached_tree(folder)
         if listed is not None:
             return listed
-        return {
-            p.relative_to(folder).as_posix(): p.stat().st_size
-            for p in sorted(folder.rglob("*"))
-            if p.is_file()
-        }
+        return _snapshot_listing(folder)
 
     @staticmethod
     def _cached_tree(folder: Path) -> dict[str, int] | None:
@@ -254,6 +301,12 @@ class HubRepo:
                         super().__init__(*args, **kw)
 
                 kwargs["tqdm_class"] = _Quiet
+            if self.commit is not None:
+                # huggingface_hub would download into a snapshot folder that is a link, out
+                # of the cache too: refused before a byte is fetched.
+                known = self._storage() / "snapshots" / self.commit
+                if known.is_dir():
+                    self._check_snapshot(known)
             try:
                 folder = Path(
                     self.hub.snapshot_download(
@@ -266,7 +319,10 @@ class HubRepo:
             except Exception as err:
                 raise self._translated(err) from None
             self._remember_revision(folder)
-        missing = sorted(n for n in names if folder is None or not (folder / n).is_file())
+        if folder is not None:
+            self._check_snapshot(folder)
+        # (A FIFO or device is there, not missing: opening it says what it is.)
+        missing = sorted(n for n in names if folder is None or not (folder / n).exists())
         if missing or folder is None:
             raise self._fail(
                 f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
@@ -293,8 +349,8 @@ class HubRepo:
         if commit is None or self.revision == commit or folder.name != commit:
             return
         ref = folder.parent.parent / "refs" / self.revision
-        with contextlib.suppress(OSError):
-            if ref.is_file() and ref.read_text().strip() == commit:
+        with contextlib.suppress(OSError, CheckpointError):
+            if self._read_ref(folder.parent.parent, self.revision) == commit:
                 return
             ref.parent.mkdir(parents=True, exist_ok=True)
             tmp = ref.with_name(f"{ref.name}.{os.getpid()}.weightmap.tmp")
@@ -319,7 +375,7 @@ class HubRepo:
                 return [name, *configs]
             index_name = name
             index_path = self.fetch([index_name]) / index_name
-            index = read_json_file(index_path, "the index")
+            index = read_folder_json(index_path.parent, index_path, "the index")
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 # As opening the folder would say it, before the shards are downloaded.
@@ -363,4 +419,47 @@ class HubRepo:
             and bad_file_name(name) is None
             and name.count("/") < MAX_DEPTH
         ]
-        return FolderFiles(tuple(kept))
+        # What the cache holds already is judged as a local folder's files are, at plan time:
+        # a link out of the cache or a FIFO is skipped with a warning, never copied later.
+        folder = self.cached_snapshot()
+        skipped: list[str] = []
+        if folder is not None:
+            for spec in list(kept):
+                why = _cached_problem(folder, spec.name)
+                if why is not None:
+                    kept.remove(spec)
+                    skipped.append(f"side file {spec.name!r} is not carried: {why}")
+        return FolderFiles(tuple(kept), tuple(skipped))
+
+
+def _snapshot_listing(folder: Path) -> dict[str, int]:
+    """Every file of a cached snapshot and its size, links into blobs/ followed; a FIFO,
+    device or socket is listed too (size 0), so that it is named where it is read instead of
+    dropped (a link to nothing, a blob never downloaded, is left out)."""
+    listed: dict[str, int] = {}
+    for p in sorted(folder.rglob("*")):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            listed[p.relative_to(folder).as_posix()] = st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return listed
+
+
+def _cached_problem(folder: Path, name: str) -> str | None:
+    """Why the cached side file ``name`` of snapshot ``folder`` is not carried (the local
+    folder's rules), or None; None too for a file not cached yet (checked when it is copied)."""
+    path = folder / name
+    if not (path.exists() or path.is_symlink()):
+        return None
+    try:
+        real = resolve_path(path)
+        st = os.stat(path)
+    except OSError:
+        return "it is a link to nothing"
+    if not inside_folder(real, resolve_path(folder)):
+        return f"it is a link that leaves the cache (to {real})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"it is a {kind(st.st_mode)}, not a regular file"
+    return None

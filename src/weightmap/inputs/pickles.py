@@ -43,6 +43,9 @@ from weightmap.errors import CheckpointError
 from weightmap.format.dtypes import DTYPES
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.text import is_utf8
+from weightmap.fs.safeopen import fd_path, kind, open_resolved, regular
+from weightmap.inputs.opening import open_in_folder
+from weightmap.inputs.sidefiles import resolve_path
 
 if TYPE_CHECKING:
     import torch
@@ -100,13 +103,14 @@ def _torch_dtypes() -> dict[Any, str]:
     return out
 
 
-def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
+def _members(path: Path, source: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
     """``{key: (data offset, size)}`` of the storage members, and the byteorder record
-    (nothing for a file that is no zip archive: loading it says what it is)."""
+    (nothing for a file that is no zip archive: loading it says what it is). ``source`` is
+    the name to read (the opened file's), ``path`` the one to show."""
     try:
-        if not zipfile.is_zipfile(path):
+        if not zipfile.is_zipfile(source):
             return {}, None
-        with zipfile.ZipFile(path) as z, path.open("rb") as f:
+        with zipfile.ZipFile(source) as z, source.open("rb") as f:
             infos = z.infolist()
             pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
             if len(pickles) != 1:
@@ -118,6 +122,17 @@ def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
                     f"{MAX_PICKLE_BYTES:,}-byte limit (a state dict's is a few MB)",
                     "pickle-too-large",
                 )
+            # torch.save stores every member uncompressed; a compressed one would be inflated
+            # by the loader, unbounded (200 KB of deflate is 824 MB of pickle).
+            compressed = next((i for i in infos if i.compress_type != zipfile.ZIP_STORED), None)
+            if compressed is not None:
+                raise _fail(
+                    path,
+                    f"member {compressed.filename!r} is compressed, which torch.save never "
+                    "does (a compressed member inflates without bound when loaded); save the "
+                    "state dict again with torch.save",
+                    "pickle-compressed",
+                )
             prefix = pickles[0].filename[: -len("data.pkl")]
             byteorder = None
             members = {}
@@ -128,7 +143,7 @@ def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
                     continue
                 f.seek(info.header_offset)
                 local = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-                if local[0] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+                if local[0] != b"PK\x03\x04":
                     raise _fail(path, f"storage {info.filename} is not stored uncompressed")
                 start = info.header_offset + _LOCAL_HEADER.size + local[-2] + local[-1]
                 members[info.filename[len(prefix) + 5 :]] = (start, info.file_size)
@@ -147,10 +162,10 @@ def _members(path: Path) -> tuple[dict[str, tuple[int, int]], bytes | None]:
         raise _fail(path, f"is a damaged zip archive ({type(err).__name__}: {err})") from None
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, source: Path) -> Any:
     import torch
 
-    with path.open("rb") as f:
+    with source.open("rb") as f:
         magic = f.read(4)
     if not magic.startswith(b"PK"):
         if magic[:1] == b"\x80":
@@ -165,9 +180,11 @@ def _load(path: Path) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. TypedStorage deprecation in old archives
-            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+            return torch.load(source, weights_only=True, mmap=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        # torch's wording changes between releases: "Unsupported global: GLOBAL x.y" (2.4
+        # on), "Trying to load unsupported GLOBAL x.y whose module x is blocked" (2.13).
+        found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(err))
         what = f" ({found.group(1)})" if found else ""
         raise _fail(
             path,
@@ -177,7 +194,9 @@ def _load(path: Path) -> Any:
             "pickle-code",
         ) from None
     except Exception as err:  # a damaged archive makes torch raise anything; none may leak
-        text = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        # (Named as the caller named it, not by the descriptor's name it was read through.)
+        shown = str(err).replace(str(source), str(path))
+        text = shown.splitlines()[0][:200] if shown else type(err).__name__
         if "TorchScript" in text:
             text = "a TorchScript archive, not a state dict; save model.state_dict() instead"
         raise _fail(path, f"cannot be read as a PyTorch checkpoint: {text}") from None
@@ -223,6 +242,25 @@ def _check_dense(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
             )
 
 
+def _check_size(path: Path, name: str, t: torch.Tensor, file_size: int) -> None:
+    """Refuse a tensor larger than the whole file: only a view with zero (or overlapping)
+    strides can be, and the conversion writes its every byte (a stride-0 view of one value
+    may claim 2**64 bytes, past what a file offset holds), as the safetensors rule refuses
+    sizes past what the file holds."""
+    size = int(t.numel()) * t.element_size()
+    if size <= file_size:
+        return
+    beyond = " (past 2**63, more than any file can hold)" if size >= 2**63 else ""
+    raise _fail(
+        path,
+        f"tensor {name!r} of shape {list(t.shape)[:8]} is {size:,} bytes{beyond}, more than the "
+        f"whole file holds ({file_size:,} bytes): a view with zero strides, which the "
+        "conversion would write out in full; save it with .clone() if it is meant to be that "
+        "large",
+        "overflow",
+    )
+
+
 def _storage_offsets(
     tensors: Mapping[str, torch.Tensor], members: dict[str, tuple[int, int]]
 ) -> dict[int, int] | None:
@@ -247,16 +285,41 @@ def _storage_offsets(
     return None
 
 
-def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
-    """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
-    tensors, each a copy-on-write view of the memory-mapped file."""
-    p = Path(path)
+def _open(p: Path) -> int:
+    """The file, opened once where its name leads now, without waiting on a FIFO."""
     try:
-        st = p.stat()
+        fd = open_resolved(resolve_path(p))
     except FileNotFoundError:
         raise _fail(p, "file does not exist", "missing") from None
-    members, byteorder = _members(p)
-    tensors = _state_dict(p, _load(p))
+    except OSError as err:
+        raise _fail(p, f"cannot be opened ({err.strerror})", "unreadable") from None
+    if regular(fd) is None:
+        shown = kind(os.fstat(fd).st_mode)
+        os.close(fd)
+        raise _fail(p, f"is a {shown}, not a file; remove it or put the file there", "not-a-file")
+    return fd
+
+
+def read_pickle(
+    path: str | os.PathLike[str], within: Path | None = None
+) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
+    """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
+    tensors, each a copy-on-write view of the memory-mapped file.
+
+    ``within``: the folder the file must stay in (a shard an index names), checked on the
+    file as it is opened, not on its name beforehand.
+    """
+    p = Path(path)
+    fd = _open(p) if within is None else open_in_folder(within, p, f"shard {p.name!r}")
+    try:
+        st = os.fstat(fd)
+        # Every later read goes through the descriptor's own name: a file swapped since it
+        # was opened is never the one read.
+        source = fd_path(fd, p)
+        members, byteorder = _members(p, source)
+        tensors = _state_dict(p, _load(p, source))
+    finally:
+        os.close(fd)  # (torch's map of the file keeps it)
     if byteorder not in (None, b"little"):
         raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
     names = _torch_dtypes()
@@ -265,6 +328,7 @@ def read_pickle(path: str | os.PathLike[str]) -> tuple[PickleHeader, dict[str, t
     infos: dict[str, TensorInfo] = {}
     strided = set()
     for name, t in tensors.items():
+        _check_size(p, name, t, st.st_size)
         resolved = t.is_conj() or t.is_neg()
         if resolved:
             # A lazily conjugated or negated view: its storage holds the values before the

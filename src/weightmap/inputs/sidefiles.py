@@ -18,7 +18,8 @@ A model folder is more than its weights and config.json: the tokenizer (``tokeni
   link to a hidden file, the config, weights or an index, a dangling link, a link to a folder,
   a FIFO, a socket or a device is skipped with a warning.
 
-:func:`copy_file` copies one file in the kernel (``copy_file_range``), never through memory.
+:func:`copy_file` copies one file in the kernel (``copy_file_range``), never through memory,
+holes left holes, and refuses a source that changed while it was copied.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path, PurePosixPath
 
 from weightmap.errors import CheckpointError, ExecutionError
 from weightmap.format.layout import CONFIG_NAME
+from weightmap.fs.safeopen import kind, open_resolved
 
 __all__ = [
     "MAX_DEPTH",
@@ -39,9 +41,12 @@ __all__ = [
     "WEIGHT_SUFFIXES",
     "FileSpec",
     "FolderFiles",
+    "allocated",
     "bad_file_name",
     "cache_blobs",
     "copy_file",
+    "data_ranges",
+    "file_state",
     "inside_folder",
     "list_side_files",
     "open_side_file",
@@ -214,17 +219,19 @@ class _Walk:
             return
         if link and not inside_folder(real, self.root):
             self.skip(name, f"it is a link that leaves the folder (to {real})")
+        elif link and stat.S_ISDIR(st.st_mode):
+            # Before the target's name is looked at: a link to the folder itself (``latest ->
+            # .``, ``sub/up -> ..``) has no name inside it.
+            self.skip(name, "it is a link to a folder (links to folders are not followed)")
         elif link and (why := _target_reason(real, self.root, self.config_name)):
             self.skip(name, why)
         elif stat.S_ISDIR(st.st_mode):
-            if link:
-                self.skip(name, "it is a link to a folder (links to folders are not followed)")
-            elif depth >= MAX_DEPTH:
+            if depth >= MAX_DEPTH:
                 self.skip(name, f"it is nested deeper than {MAX_DEPTH} folders")
             else:
                 self.folder(path, name, depth + 1)
         elif not stat.S_ISREG(st.st_mode):
-            self.skip(name, f"it is a {_kind(st.st_mode)}, not a regular file")
+            self.skip(name, f"it is a {kind(st.st_mode)}, not a regular file")
         elif len(name) > MAX_NAME_CHARS or bad_file_name(name) is not None:
             self.skip(name[:200], "its name cannot be written")
         else:
@@ -252,6 +259,8 @@ def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -
     if not resolved.is_relative_to(root):
         return None  # a hub cache blob, named by its hash: the link's own name was checked
     target = resolved.relative_to(root).as_posix()
+    if target == ".":
+        return "it is a link to the folder itself"
     reason = replaced_reason(target, config_name)
     if reason is None:
         return None
@@ -260,35 +269,6 @@ def _target_reason(resolved: Path, root: Path, config_name: str = CONFIG_NAME) -
         f"it is a link to {target!r}, {what.get(reason, 'weights')}, which is not carried "
         "under its own name either"
     )
-
-
-def _open_no_links(resolved: Path) -> int:
-    """A read-only descriptor of ``resolved`` (a path with no links in it, as ``resolve``
-    made it), opened one folder at a time without following a link anywhere: a folder on the
-    way swapped for a link since it was resolved fails the open (ELOOP, ENOTDIR) instead of
-    leading elsewhere. ``O_NOFOLLOW`` on the whole path guards its last part only."""
-    parts = resolved.parts
-    # O_PATH (Linux): a folder one may pass through but not list (mode 0711) opens too.
-    walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
-    fd = os.open(parts[0], walk)
-    try:
-        for part in parts[1:-1]:
-            child = os.open(part, walk | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        return os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    return "special file"
 
 
 def list_side_files(
@@ -337,7 +317,7 @@ def open_side_file(root: Path, name: str, size: int) -> int:
             rule="changed",
         )
     try:
-        fd = _open_no_links(resolved)
+        fd = open_resolved(resolved)
     except OSError as err:
         if err.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
             raise CheckpointError(
@@ -359,48 +339,104 @@ def open_side_file(root: Path, name: str, size: int) -> int:
     return fd
 
 
-def copy_file(src_fd: int, dst: Path, size: int) -> None:
+def copy_file(src_fd: int, dst: Path, size: int, source: Path | None = None) -> None:
     """Copy ``size`` bytes of ``src_fd`` into the new file ``dst``, in the kernel if possible,
     and fsync it; ``dst`` gets the source's read and write permission bits, never an
     executable bit.
 
     ``copy_file_range`` moves the bytes inside the kernel (or shares extents on file systems
     that can), so a large side file never passes through memory; where it is unavailable,
-    bounded chunks go through user space.
+    bounded chunks go through user space. Only the source's data is copied (``SEEK_DATA``):
+    its holes stay holes, as ``copy_file_range`` would fill them on many file systems (a
+    sparse 20 GiB file written out in full). The source is refused (``CheckpointError``,
+    rule ``changed``) if its size, times or inode differ after the copy from before it: a
+    file rewritten or appended to meanwhile is not committed torn. ``source`` is the
+    file copied, for messages.
     """
+    before = os.fstat(src_fd)
     # Created private, then given the source's read and write bits: a 0600 secret must not
     # come out world-readable. No executable bit (nor setuid, setgid, sticky): an output folder
     # holds nothing to run, whatever a mapping renames a file to (docs/safety.md).
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchmod(fd, stat.S_IMODE(os.fstat(src_fd).st_mode) & 0o666)
-        done = 0
+        os.fchmod(fd, stat.S_IMODE(before.st_mode) & 0o666)
+        os.ftruncate(fd, size)  # the length; what is not copied below stays a hole
         kernel = hasattr(os, "copy_file_range")
-        while done < size:
-            n = 0
-            if kernel:
-                try:
-                    n = os.copy_file_range(src_fd, fd, size - done, done, done)
-                except OSError as exc:
-                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    kernel = False
-            if not kernel:
-                chunk = os.pread(src_fd, min(size - done, _COPY_CHUNK), done)
-                view = memoryview(chunk)
-                while view:
-                    written = os.pwrite(fd, view, done + len(chunk) - len(view))
-                    view = view[written:]
-                n = len(chunk)
-            if n == 0:
-                raise ExecutionError(
-                    f"{dst.name}: the source ended after {done:,} of {size:,} bytes (it changed "
-                    "while it was copied); nothing was committed"
-                )
-            done += n
+        for begin, end in data_ranges(src_fd, size):
+            kernel = _copy_range(src_fd, fd, begin, end, kernel, dst.name)
         os.fsync(fd)
     finally:
         os.close(fd)
+    if file_state(os.fstat(src_fd)) != file_state(before):
+        raise CheckpointError(
+            "changed while it was copied (it was rewritten or grew); nothing was committed: run "
+            "the conversion again once it holds still",
+            path=source or dst.name,
+            rule="changed",
+        )
+
+
+def _copy_range(src_fd: int, fd: int, begin: int, end: int, kernel: bool, what: str) -> bool:
+    """Copy bytes ``[begin, end)`` at the same offsets; whether the kernel copy still works."""
+    done = begin
+    while done < end:
+        n = 0
+        if kernel:
+            try:
+                n = os.copy_file_range(src_fd, fd, end - done, done, done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                kernel = False
+        if not kernel:
+            chunk = os.pread(src_fd, min(end - done, _COPY_CHUNK), done)
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(fd, view, done + len(chunk) - len(view))
+                view = view[written:]
+            n = len(chunk)
+        if n == 0:
+            raise ExecutionError(
+                f"{what}: the source ended after {done:,} of {end:,} bytes (it changed while it "
+                "was copied); nothing was committed"
+            )
+        done += n
+    return kernel
+
+
+def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+    """The byte ranges of the first ``size`` bytes of ``fd`` that hold data, holes left out
+    (``SEEK_DATA``/``SEEK_HOLE``); the whole file where the file system cannot tell."""
+    ranges: list[tuple[int, int]] = []
+    position = 0
+    while position < size:
+        try:
+            begin = os.lseek(fd, position, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole from here on
+                break
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return [(0, size)] if size else []
+            raise
+        if begin >= size:
+            break
+        end = min(os.lseek(fd, begin, os.SEEK_HOLE), size)
+        ranges.append((begin, end))
+        position = end
+    # A file that grew meanwhile ends in a hole here: caught by the state check afterwards.
+    return ranges
+
+
+def file_state(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, appended to or replaced: its device, inode,
+    size and modification and change times. Compared before and after a copy."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def allocated(st: os.stat_result) -> int:
+    """The bytes of disk a copy of the file takes: its allocated blocks, never more than its
+    size (a sparse file's holes take none, and stay holes in the copy)."""
+    return min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size
 
 
 def same_bytes(a: int, b: Path, size: int) -> bool:

@@ -1,0 +1,264 @@
+"""Every file of an input is opened once and read through that descriptor (issue 33).
+
+A racer who can write to the input folder swaps a checked file for a link between the check
+and the open: simulated here by swapping it right after weightmap resolved its name (the
+moment its check is made). What the link points to must never be read. A FIFO or a device
+where a small file should be is refused at once, never waited on or read without end. Side
+files: a link to the folder itself is skipped, a file that changes while it is copied is
+refused, holes stay holes, and the space they need is reserved before any tensor is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import weightmap
+from weightmap.errors import CheckpointError, ExecutionError
+from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.sidefiles import list_side_files
+
+SECRET = '{"auths": {"registry": {"auth": "c2VjcmV0LXRva2Vu"}}}'
+KEEP_ALL = "weightmap 1\nunmatched keep\n"
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, example: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(example, root)
+    return root
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "home" / ".docker" / "config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(SECRET)
+    return path
+
+
+def _swap_after_check(monkeypatch: pytest.MonkeyPatch, victim: Path, target: Path) -> list[Path]:
+    """Turn ``victim`` into a link to ``target`` right after its name is first resolved (the
+    check), before anything opens it; returns the list the swap is recorded in."""
+    real_resolve = Path.resolve
+    swapped: list[Path] = []
+
+    def racing(self: Path, strict: bool = False) -> Path:
+        out = real_resolve(self, strict)
+        if self == victim and not swapped:
+            victim.unlink()
+            victim.symlink_to(target)
+            swapped.append(victim)
+        return out
+
+    monkeypatch.setattr(Path, "resolve", racing)
+    return swapped
+
+
+def test_config_swapped_for_a_link_after_its_check_is_never_read(
+    ckpt: Path, secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swapped = _swap_after_check(monkeypatch, ckpt / "config.json", secret)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(ckpt)
+    assert swapped and info.value.rule == "changed"
+    assert "c2VjcmV0" not in str(info.value)
+
+
+def test_a_swapped_config_never_reaches_the_output(
+    ckpt: Path, secret: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _swap_after_check(monkeypatch, ckpt / "config.json", secret)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"changed while it was opened.*\[changed\]"):
+        weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
+    assert not out.exists()
+
+
+def test_config_from_swapped_for_a_link_is_never_read(
+    ckpt: Path, secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (ckpt / "params.json").write_text('{"dim": 8}')
+    _swap_after_check(monkeypatch, ckpt / "params.json", secret)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(ckpt, config_name="params.json")
+    assert info.value.rule == "changed"
+
+
+def test_an_index_swapped_for_a_link_is_never_read(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")
+    with Checkpoint.open(ckpt / "model-00001-of-00001.safetensors") as c:
+        names = list(c)
+    index = {"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"weight_map": {}, "leak": "c2VjcmV0"}))
+    _swap_after_check(monkeypatch, ckpt / "model.safetensors.index.json", elsewhere)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(ckpt)
+    assert info.value.rule == "changed"
+
+
+def _one_line_refusal(args: list[str], env: dict[str, str] | None = None) -> str:
+    """Run the CLI; it must refuse with one line, quickly (a hang fails on the timeout)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "weightmap", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_fifo_or_device_as_a_small_file_is_refused_at_once(
+    ckpt: Path, name: str, special: str
+) -> None:
+    path = ckpt / name
+    path.unlink(missing_ok=True)
+    if special == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(special)
+    err = _one_line_refusal(["inspect", str(ckpt)])
+    assert name in err
+
+
+def test_a_link_to_the_folder_itself_is_skipped_not_a_crash(ckpt: Path, tmp_path: Path) -> None:
+    (ckpt / "latest").symlink_to(".")
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "up").symlink_to("..")
+    (ckpt / "sub" / "notes.txt").write_text("kept")
+    files = list_side_files(ckpt)
+    assert [f.name for f in files.files] == ["sub/notes.txt"]
+    assert any("'latest'" in s and "link to a folder" in s for s in files.skipped)
+    assert any("'sub/up'" in s and "link to a folder" in s for s in files.skipped)
+    for command in (["plan", str(ckpt), "--preset", "eagle3-sglang"],):
+        result = subprocess.run(
+            [sys.executable, "-m", "weightmap", *command], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert "IndexError" not in result.stderr
+    out = tmp_path / "out"
+    weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
+    assert (out / "sub" / "notes.txt").read_text() == "kept"
+    assert not (out / "latest").exists()
+
+
+# -- side files: what is committed is what was checked ------------------------------------------
+
+
+def _while_copying(monkeypatch: pytest.MonkeyPatch, source: Path, action: object) -> None:
+    """Run ``action`` once, inside the first kernel copy of bytes from ``source``."""
+    real = os.copy_file_range
+    done: list[bool] = []
+
+    def copying(src: int, dst: int, count: int, *args: int) -> int:
+        if not done and os.readlink(f"/proc/self/fd/{src}") == str(source):
+            done.append(True)
+            action()  # type: ignore[operator]
+        return real(src, dst, count, *args)
+
+    monkeypatch.setattr(os, "copy_file_range", copying)
+
+
+@pytest.mark.parametrize("how", ["append", "rewrite"])
+def test_a_side_file_changed_during_its_copy_is_refused(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    side = ckpt / "tokenizer.model"
+    side.write_bytes(b"a" * 100_000)
+
+    def change() -> None:
+        if how == "append":
+            with side.open("ab") as f:
+                f.write(b"appended")
+        else:
+            with side.open("r+b") as f:  # same size, other bytes
+                f.write(b"b" * 100_000)
+            os.utime(side, ns=(1, 1))  # (as a second write a clock tick later would leave it)
+
+    out = tmp_path / "out"
+    _while_copying(monkeypatch, side, change)
+    with pytest.raises(CheckpointError, match=r"changed while it was copied.*\[changed\]"):
+        weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def _sparse(path: Path, size: int) -> None:
+    with path.open("wb") as f:
+        f.write(b"head")
+        f.seek(size - 4)
+        f.write(b"tail")
+
+
+def _fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    if request.param == "tmp":
+        yield tmp_path
+        return
+    from conftest import cow_mount
+
+    yield from cow_mount("xfs", request.getfixturevalue("tmp_path_factory"))
+
+
+@pytest.fixture(params=["tmp", "xfs"])
+def folder(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A folder on this machine's file system, and on a loop-mounted XFS where one can be."""
+    yield from _fs(request, tmp_path)
+
+
+def test_a_sparse_side_file_stays_sparse(folder: Path, example: Path) -> None:
+    src = folder / "src"
+    shutil.copytree(example, src)
+    size = 256 * 2**20
+    _sparse(src / "tokenizer.model", size)
+    out = folder / "out"
+    weightmap.remap(src, out, mapping=KEEP_ALL, progress=False)
+    copied = out / "tokenizer.model"
+    assert copied.stat().st_size == size
+    data = copied.read_bytes()
+    assert data[:4] == b"head" and data[-4:] == b"tail" and data.count(0) == size - 8
+    # A few blocks of data, not 256 MiB of zeros.
+    assert copied.stat().st_blocks * 512 < 4 * 2**20
+
+
+def test_the_side_files_space_is_reserved_before_any_tensor(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightmap.format import writer as writer_mod
+
+    (ckpt / "tokenizer.model").write_bytes(b"t" * 300_000)
+    _sparse(ckpt / "holes.bin.txt", 64 * 2**20)
+    asked: list[int] = []
+    real = writer_mod.fallocate
+
+    def full_after_shards(fd: int, offset: int, length: int) -> bool:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".side-files.reserve"):
+            asked.append(length)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(writer_mod, "fallocate", full_after_shards)
+    out = tmp_path / "out"
+    # Refused when the output is created, before any tensor byte is copied.
+    with pytest.raises(ExecutionError, match=r"cannot create the output.*No space left"):
+        weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
+    assert not out.exists()
+    # The tokenizer's bytes and the sparse file's allocated blocks, not its 64 MiB.
+    assert asked and 300_000 <= asked[0] < 300_000 + 2**20
