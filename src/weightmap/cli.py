@@ -27,6 +27,7 @@ from weightmap.fs.atomic import remove_path, temporaries
 from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
+from weightmap.loads import LIBRARIES, check_loads
 from weightmap.plan.plan import Plan
 
 __all__ = ["main"]
@@ -136,6 +137,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     def show(plan: Plan) -> None:
         # Before any work, so the summary and warnings come before the progress bar.
         _warn(plan)
+        if args.check_loads is not None:  # refused here, before a byte is written
+            report = check_loads(plan, args.check_loads, trust_remote_code=args.trust_remote_code)
+            report.raise_for_problems()
         if not quiet:
             print(_summary(plan), flush=True)
             if args.dry_run:
@@ -308,6 +312,12 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    if args.loads is not None and args.checkpoint is None:
+        # `check OUT --loads transformers`: the one argument is the checkpoint to load.
+        _params(args.set)
+        report = check_loads(args.mapping, args.loads, trust_remote_code=args.trust_remote_code)
+        print(f"{args.mapping}: {report}")
+        return 0 if report.ok else 1
     rules = _named_mapping(args.mapping)
     _params(args.set)  # checked with or without a checkpoint, as plan and convert check them
     if args.checkpoint is None:
@@ -316,6 +326,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = compile_plan_for(args.checkpoint, mapping=rules, params=_params(args.set))
     _warn(plan)
     print(f"{args.mapping}: ok against {args.checkpoint}: {_summary(plan)}")
+    if args.loads is not None:
+        report = check_loads(plan, args.loads, trust_remote_code=args.trust_remote_code)
+        print(f"its output {report}")
+        return 0 if report.ok else 1
     return 0
 
 
@@ -360,6 +374,21 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------------
+
+
+def _loads_args(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    p.add_argument(
+        flag,
+        metavar="LIBRARY",
+        default=None,
+        help=f"{what} ({', '.join(LIBRARIES)}) into the model its config.json names, built "
+        "without weights (exit 1 listing missing, unexpected and mismatched tensors)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the load check run the model code config.json's auto_map names",
+    )
 
 
 def _mapping_args(p: argparse.ArgumentParser) -> None:
@@ -440,6 +469,7 @@ def _parser() -> argparse.ArgumentParser:
         "writes",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _loads_args(p, "--check-loads", "before writing, check that the output would load")
     _side_files_arg(p)
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar, no summary: warnings and errors only"
@@ -467,9 +497,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.set_defaults(func=_cmd_presets)
 
-    p = add_parser("check", help="parse a mapping, and compile it against a checkpoint")
-    p.add_argument("mapping", help=_MAPPING_HELP)
+    p = add_parser(
+        "check",
+        help="parse a mapping, and compile it against a checkpoint; or (--loads) check that a "
+        "checkpoint loads",
+    )
+    p.add_argument(
+        "mapping",
+        help=_MAPPING_HELP + "; with --loads and nothing after it, the checkpoint to check",
+    )
     p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
+    _loads_args(p, "--loads", "check that the checkpoint (or the mapping's output) loads")
     p.add_argument(
         "--set",
         action="append",
