@@ -100,7 +100,7 @@ def check_loads(
     if library in _ENGINES:
         raise ValueError(
             f"{library} builds its models in its own runtime, which is not checked here: check "
-            'with library="transformers" (the names and shapes it loads), and see '
+            "with transformers (the names and shapes of the Hugging Face layout), and see "
             "docs/presets.md for what can be checked of sglang and vllm without a GPU"
         )
     if library not in LIBRARIES:
@@ -318,7 +318,8 @@ def _compare(model: Any, specs: Sequence[TensorSpec], config: dict[str, Any]) ->
             dtype = float_dtype  # the meta model is float32; it would load in the config's dtype
         report("missing", name, f": the model has {_shape((dtype, shape))}")
     lines = []
-    for (kind, detail), names in found.items():
+    order = ("missing", "unexpected", "shape", "dtype")
+    for (kind, detail), names in sorted(found.items(), key=lambda kv: order.index(kv[0][0])):
         for line in compact_names(names):
             group, _, count = line.partition("  (")
             lines.append(f"{kind}: {group}{detail}" + (f" ({count}" if count else ""))
