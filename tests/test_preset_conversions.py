@@ -96,6 +96,12 @@ def test_cast_leaves_integers_and_booleans(tmp_path: Path) -> None:
     floats = {k: tensors[k].to(torch.float16) for k in ("w", "h", "f8")}
     _same(got, {**tensors, **floats})
     assert json.loads((out / "config.json").read_text()) == {"torch_dtype": "float16"}
+    # A checkpoint without config.json is cast all the same, and written without one.
+    (src / "config.json").unlink()
+    bare = tmp_path / "bare"
+    weightmap.remap(src, bare, preset="cast", params={"target": "f16"}, progress=False)
+    _same(load_file(bare / "model.safetensors"), {**tensors, **floats})
+    assert not (bare / "config.json").exists()
 
 
 def test_cast_refusals(llama: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
