@@ -195,3 +195,29 @@ def test_convert_check_loads_refuses_before_writing(
     assert main(args) == 0
     assert main(["check", str(out), "--loads", "transformers"]) == 1
     assert "missing: model.norm.weight" in capsys.readouterr().out
+
+
+def test_remote_code_runs_with_the_flag(tmp_path: Path, llama: Path) -> None:
+    # A built-in model type whose auto_map names a class of its own: without the flag the
+    # built-in class is checked and the folder's code never runs; with it, the code's class.
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    marker = tmp_path / "ran"
+    (folder / "modeling_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaForCausalLM\n\n\n"
+        "class CustomLlama(LlamaForCausalLM):\n    pass\n"
+    )
+    config = json.loads((llama / "config.json").read_text())
+    config.update(
+        architectures=["CustomLlama"],
+        auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLlama"},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    report = weightmap.check_loads(folder)
+    assert report.ok and report.model_class == "LlamaForCausalLM"
+    assert not marker.exists()
+    report = weightmap.check_loads(folder, trust_remote_code=True)
+    assert report.ok and report.model_class == "CustomLlama"
+    assert marker.exists()
