@@ -221,3 +221,15 @@ def test_remote_code_runs_with_the_flag(tmp_path: Path, llama: Path) -> None:
     report = weightmap.check_loads(folder, trust_remote_code=True)
     assert report.ok and report.model_class == "CustomLlama"
     assert marker.exists()
+
+
+def test_a_config_transformers_cannot_build_is_one_error(tmp_path: Path, llama: Path) -> None:
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    config = json.loads((llama / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["__class__"]}))
+    assert weightmap.check_loads(folder).model_class == "LlamaForCausalLM"  # by model_type
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
+    with pytest.raises(weightmap.LoadError, match="transformers cannot build the model"):
+        weightmap.check_loads(folder)

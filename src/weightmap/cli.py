@@ -91,12 +91,15 @@ def _params(items: Sequence[str] | None) -> dict[str, Any]:
 def _mapping_of(args: argparse.Namespace) -> Mapping:
     if (args.preset is None) == (args.mapping is None):
         hint = ""
-        if args.preset is None and Path(str(args.src)).exists():
-            fit = [n for n in preset_names() if _applies(n, str(args.src))[0]]
-            hint = (
-                f"; presets that apply to {args.src}: {', '.join(fit) or 'none'} "
-                f"(`weightmap presets --for {args.src}` says why the others do not)"
-            )
+        # A local input: the presets that would apply (a malformed one is said when it is
+        # converted, not here).
+        with contextlib.suppress(WeightmapError, OSError):
+            if args.preset is None and Path(str(args.src)).exists():
+                fit = [n for n in preset_names() if _applies(n, str(args.src))[0]]
+                hint = (
+                    f"; presets that apply to {args.src}: {', '.join(fit) or 'none'} "
+                    f"(`weightmap presets --for {args.src}` says why the others do not)"
+                )
         raise UsageError("give exactly one of --preset NAME or --mapping FILE" + hint)
     return resolve_mapping(args.preset, args.mapping)
 

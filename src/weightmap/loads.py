@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import WeightmapError
 from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.text import one_line
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
@@ -121,9 +122,16 @@ def check_loads(
             "mapping that writes one"
         )
     with _quiet_transformers():
-        model = _build(
-            config, root if root is not None and root.is_dir() else None, trust_remote_code
-        )
+        folder = root if root is not None and root.is_dir() else None
+        try:
+            model = _build(config, folder, trust_remote_code)
+        except LoadError:
+            raise
+        except Exception as exc:  # transformers' own, on a config it cannot build a model of
+            raise LoadError(
+                f"transformers cannot build the model config.json describes: "
+                f"{type(exc).__name__}: {one_line(str(exc))[:300]}; fix config.json"
+            ) from exc
         problems = _compare(model, specs, config)
     return LoadReport(
         library, type(model).__name__, len(specs), len(model.state_dict()), tuple(problems)
@@ -164,6 +172,8 @@ def _build(config: dict[str, Any], root: Path | None, trust_remote_code: bool) -
             + (remote if "auto_map" in config else ": upgrade transformers, or fix model_type")
         )
     cls = getattr(transformers, arch, None) if arch is not None else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        cls = None  # not a model class of transformers (a name of something else in it)
     if cls is None:
         for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
             name = getattr(modeling_auto, table).get(model_type)
