@@ -447,3 +447,23 @@ def test_moe_refusals(tmp_path: Path, llama: tuple[Path, torch.nn.Module]) -> No
     with pytest.raises(weightmap.MappingError, match="already fused\\? moe-unfuse"):
         weightmap.compile(fused, preset="moe-fuse")
     assert weightmap.compile(fused, preset="moe-unfuse").outputs
+
+
+# -- the fp8 presets, through the load check ------------------------------------------------------
+
+
+def test_fp8_round_trip_output_loads(llama: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+    # A bf16 model, as the fp8 releases' unquantized tensors are (fp8-dequant sets the config's
+    # dtype to its target, and leaves the norms, embeddings and head in theirs).
+    folder, _ = llama
+    bf16 = tmp_path / "bf16-source"
+    weightmap.remap(folder, bf16, preset="cast", params={"target": "bf16"})
+    quantized = tmp_path / "fp8"
+    weightmap.remap(bf16, quantized, preset="fp8-quant", params={"block_size": [16, 16]})
+    # An fp8 checkpoint is not one the plain model loads: its scales are unexpected names.
+    report = weightmap.check_loads(quantized)
+    assert any(p.startswith("unexpected: model.layers.{0..1}.") for p in report.problems)
+    plain = tmp_path / "bf16"
+    weightmap.remap(quantized, plain, preset="fp8-dequant", params={"target": "bf16"})
+    assert json.loads((plain / "config.json").read_text())["dtype"] == "bfloat16"
+    assert next(_loads_cleanly(plain).parameters()).dtype == torch.bfloat16
