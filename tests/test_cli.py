@@ -265,7 +265,7 @@ def test_diff_counts_a_rename_once_each_side_and_shows_config_as_json(
 def test_presets_list_and_show() -> None:
     r = run("presets")
     assert r.returncode == 0
-    assert r.stdout.startswith("eagle3-sglang  ")
+    assert any(line.startswith("eagle3-sglang  ") for line in r.stdout.splitlines())
     r = run("presets", "eagle3-sglang")
     assert 'layout = "midlayer"' in r.stdout
     assert "- norm_before_residual=true" in r.stdout

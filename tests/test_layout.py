@@ -16,7 +16,7 @@ import weightmap
 SRC = Path(weightmap.__file__).parent
 # Bottom to top; errors.py sits below everything (it imports nothing of ours). fs: the file
 # system and process helpers; format: the safetensors bytes; inputs: checkpoints, pickles, the
-# Hub and side files; modes: the ways remap runs a plan.
+# Hub and side files; modes: the ways remap runs a plan; loads: will the output load.
 LAYERS = [
     "errors",
     "fs",
@@ -27,6 +27,7 @@ LAYERS = [
     "compiler",
     "execute",
     "modes",
+    "loads",
     "api",
     "cli",
 ]
@@ -107,6 +108,8 @@ def test_public_surface_is_pinned() -> None:
         "CheckpointError",
         "ExecutionError",
         "FormatError",
+        "LoadError",
+        "LoadReport",
         "Mapping",
         "MappingError",
         "MappingSyntaxError",
@@ -116,6 +119,7 @@ def test_public_surface_is_pinned() -> None:
         "Result",
         "WeightmapError",
         "__version__",
+        "check_loads",
         "compile",
         "invert",
         "iter_tensors",

@@ -30,6 +30,7 @@ from weightmap.errors import (
 )
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language.mapping import Mapping
+from weightmap.loads import LoadError, LoadReport, check_loads
 from weightmap.plan.plan import Plan
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "CheckpointError",
     "ExecutionError",
     "FormatError",
+    "LoadError",
+    "LoadReport",
     "Mapping",
     "MappingError",
     "MappingSyntaxError",
@@ -48,6 +51,7 @@ __all__ = [
     "Result",
     "WeightmapError",
     "__version__",
+    "check_loads",
     "compile",
     "invert",
     "iter_tensors",

@@ -12,14 +12,20 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO, cast
 
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, recover, remap
-from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
+from weightmap.errors import (
+    CheckpointError,
+    CompileError,
+    MappingError,
+    MappingSyntaxError,
+    WeightmapError,
+)
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
@@ -27,6 +33,7 @@ from weightmap.fs.atomic import remove_path, temporaries
 from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
+from weightmap.loads import LIBRARIES, check_loads
 from weightmap.plan.plan import Plan
 
 __all__ = ["main"]
@@ -83,7 +90,17 @@ def _params(items: Sequence[str] | None) -> dict[str, Any]:
 
 def _mapping_of(args: argparse.Namespace) -> Mapping:
     if (args.preset is None) == (args.mapping is None):
-        raise UsageError("give exactly one of --preset NAME or --mapping FILE")
+        hint = ""
+        # A local input: the presets that would apply (a malformed one is said when it is
+        # converted, not here).
+        with contextlib.suppress(WeightmapError, OSError):
+            if args.preset is None and Path(str(args.src)).exists():
+                fit = [n for n in preset_names() if _applies(n, str(args.src))[0]]
+                hint = (
+                    f"; presets that apply to {args.src}: {', '.join(fit) or 'none'} "
+                    f"(`weightmap presets --for {args.src}` says why the others do not)"
+                )
+        raise UsageError("give exactly one of --preset NAME or --mapping FILE" + hint)
     return resolve_mapping(args.preset, args.mapping)
 
 
@@ -140,6 +157,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     def show(plan: Plan) -> None:
         # Before any work, so the summary and warnings come before the progress bar.
         _warn(plan)
+        if args.check_loads is not None:  # refused here, before a byte is written
+            report = check_loads(plan, args.check_loads, trust_remote_code=args.trust_remote_code)
+            report.raise_for_problems()
         if not quiet:
             print(_summary(plan), flush=True)
             if args.dry_run:
@@ -273,13 +293,15 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _description(text: str) -> str:
+    """A preset's description: its first comment paragraph, whole, as one line."""
+    lines: list[str] = []
     for line in text.splitlines()[1:]:
         stripped = line.strip()
-        if stripped.startswith("#"):
-            return stripped.lstrip("# ").strip()
-        if stripped:
+        if not stripped.startswith("#") or (lines and stripped.lstrip("# ") == ""):
             break
-    return ""
+        if stripped.lstrip("# "):
+            lines.append(stripped.lstrip("# ").strip())
+    return " ".join(lines)
 
 
 def _requires(stmts: Sequence[A.Stmt]) -> list[str]:
@@ -292,12 +314,93 @@ def _requires(stmts: Sequence[A.Stmt]) -> list[str]:
     return out
 
 
+def _model_types(stmts: Sequence[A.Stmt]) -> list[str] | None:
+    """The model types a preset's top-level requires accept (``config.model_type in [...]``
+    or ``== "..."``, alone or in an ``and``), or None when they do not say."""
+
+    def accepted(cond: A.Expr) -> list[str] | None:
+        if not isinstance(cond, A.BinOp):
+            return None
+        if cond.op == "and":
+            return accepted(cond.left) or accepted(cond.right)
+        left, right = cond.left, cond.right
+        if not (isinstance(left, A.Attr) and isinstance(left.obj, A.ConfigRef)):
+            return None
+        if left.name != "model_type":
+            return None
+        if cond.op == "==" and isinstance(right, A.Lit):
+            return [str(right.value)]
+        if cond.op == "in" and isinstance(right, A.ListExpr):
+            return [str(i.value) for i in right.items if isinstance(i, A.Lit)]
+        return None
+
+    for st in stmts:
+        if isinstance(st, A.Require) and (types := accepted(st.cond)) is not None:
+            return types
+    return None
+
+
+def _reads_params(node: object, params: Collection[str]) -> bool:
+    """Whether an expression reads one of ``params``."""
+    if isinstance(node, A.Name):
+        return node.id in params
+    if isinstance(node, tuple):
+        return any(_reads_params(n, params) for n in node)
+    fields = getattr(node, "__dataclass_fields__", None)
+    return fields is not None and any(_reads_params(getattr(node, f), params) for f in fields)
+
+
+def _param_requires(stmts: Sequence[A.Stmt], params: Collection[str]) -> set[str]:
+    """The locations of the requires that read a param: a --set may lift them."""
+    out: set[str] = set()
+    for st in stmts:
+        if isinstance(st, A.Require) and _reads_params(st.cond, params):
+            out.add(str(st.loc))
+        elif isinstance(st, A.If):
+            out |= _param_requires(st.then, params) | _param_requires(st.orelse, params)
+    return out
+
+
+def _applies(name: str, checkpoint: str) -> tuple[bool, str]:
+    """Whether preset ``name`` compiles against ``checkpoint`` with its default params, and
+    why not: the first refusal (a refusal a param can lift is said as one)."""
+    preset = load_preset(name)
+    try:
+        compile_plan_for(checkpoint, preset=name)
+    except CompileError as exc:
+        # A refusal about the checkpoint alone says no; one that reads a param may only need
+        # that param set (the Llama version, the verifier's name).
+        settable = _param_requires(preset.program.stmts, preset.param_defaults)
+        no = [p for p in exc.problems if str(p.loc) not in settable]
+        # A refusal the preset words itself says more than an error it met on the way.
+        said = sorted(no or exc.problems, key=lambda p: not p.message.startswith("requirement"))
+        first = said[0].message.removeprefix("requirement failed: ")
+        return False, ("" if no else "applies once a parameter is set: ") + one_line(first)
+    except (MappingError, CheckpointError) as exc:
+        return False, one_line(getattr(exc, "detail", None) or str(exc))
+    return True, "applies"
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
+    if args.for_checkpoint is not None:
+        if args.name is not None:
+            raise UsageError("give a preset NAME or --for CHECKPOINT, not both")
+        names = preset_names()
+        width = max([len(n) for n in names] + [4])
+        for name in names:
+            ok, why = _applies(name, args.for_checkpoint)
+            print(f"{name:<{width}}  {why if ok or why.startswith('applies') else 'no: ' + why}")
+        return 0
     if args.name is None:
         names = preset_names()
         width = max([len(n) for n in names] + [4])
         for name in names:
-            print(f"{name:<{width}}  {_description(load_preset(name).text)}")
+            preset = load_preset(name)
+            print(f"{name:<{width}}  {_description(preset.text)}")
+            params = ", ".join(f"{k}={json.dumps(v)}" for k, v in preset.param_defaults.items())
+            types = _model_types(preset.program.stmts)
+            print(f"{'':<{width}}  params: {params or '(none)'}")
+            print(f"{'':<{width}}  model types: {', '.join(types) if types else 'any'}")
         return 0
     preset = load_preset(args.name)
     print(preset.text.rstrip())
@@ -314,6 +417,12 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    if args.loads is not None and args.checkpoint is None:
+        # `check OUT --loads transformers`: the one argument is the checkpoint to load.
+        _params(args.set)
+        report = check_loads(args.mapping, args.loads, trust_remote_code=args.trust_remote_code)
+        print(f"{args.mapping}: {report}")
+        return 0 if report.ok else 1
     rules = _named_mapping(args.mapping)
     _params(args.set)  # checked with or without a checkpoint, as plan and convert check them
     if args.checkpoint is None:
@@ -324,6 +433,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     _warn(plan)
     print(f"{args.mapping}: ok against {args.checkpoint}: {_summary(plan)}")
+    if args.loads is not None:
+        report = check_loads(plan, args.loads, trust_remote_code=args.trust_remote_code)
+        print(f"its output {report}")
+        return 0 if report.ok else 1
     return 0
 
 
@@ -368,6 +481,21 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------------
+
+
+def _loads_args(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    p.add_argument(
+        flag,
+        metavar="LIBRARY",
+        default=None,
+        help=f"{what} ({', '.join(LIBRARIES)}) into the model its config.json names, built "
+        "without weights (exit 1 listing missing, unexpected and mismatched tensors)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the load check run the model code config.json's auto_map names",
+    )
 
 
 def _mapping_args(p: argparse.ArgumentParser) -> None:
@@ -458,6 +586,7 @@ def _parser() -> argparse.ArgumentParser:
         "writes",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _loads_args(p, "--check-loads", "before writing, check that the output would load")
     _side_files_arg(p)
     _allow_code_arg(p)
     p.add_argument(
@@ -485,11 +614,25 @@ def _parser() -> argparse.ArgumentParser:
 
     p = add_parser("presets", help="list presets, or show one")
     p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
+    p.add_argument(
+        "--for",
+        dest="for_checkpoint",
+        metavar="CHECKPOINT",
+        help="say which presets apply to this checkpoint, and why the others do not",
+    )
     p.set_defaults(func=_cmd_presets)
 
-    p = add_parser("check", help="parse a mapping, and compile it against a checkpoint")
-    p.add_argument("mapping", help=_MAPPING_HELP)
+    p = add_parser(
+        "check",
+        help="parse a mapping, and compile it against a checkpoint; or (--loads) check that a "
+        "checkpoint loads",
+    )
+    p.add_argument(
+        "mapping",
+        help=_MAPPING_HELP + "; with --loads and nothing after it, the checkpoint to check",
+    )
     p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
+    _loads_args(p, "--loads", "check that the checkpoint (or the mapping's output) loads")
     p.add_argument(
         "--set",
         action="append",

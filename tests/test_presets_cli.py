@@ -1,0 +1,98 @@
+"""Finding the right preset: ``weightmap presets`` says each one whole (description, params,
+model types), ``presets --for CHECKPOINT`` says which apply and why the others do not, and
+``convert IN OUT`` without a mapping names the presets that apply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightmap.cli import main
+from weightmap.language.mapping import load_preset, preset_names
+
+
+def test_presets_lists_each_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    # fp8-dequant's description spans three comment lines: said whole, on its preset's line.
+    line = next(x for x in out.splitlines() if x.startswith("fp8-dequant "))
+    assert line.endswith("over 128x128 blocks, rounded once. Streamed in chunks.")
+    for name in preset_names():
+        assert any(x.startswith(f"{name} ") for x in out.splitlines()), name
+    blocks = out.split("\n" + "moe-fuse ")[1].splitlines()
+    assert blocks[1].strip() == "params: (none)"
+    assert blocks[2].strip().startswith("model types: mixtral, minimax, minimax_m2, phimoe, ")
+    assert blocks[2].strip().endswith(", cohere2_moe, jamba")
+    cast = out.split("\ncast ")[0] if not out.startswith("cast ") else out
+    assert 'params: target="bf16"' in cast and "model types: any" in cast
+
+
+def _per_expert_mixtral(folder: Path) -> None:
+    folder.mkdir()
+    tensors = {"model.layers.0.block_sparse_moe.gate.weight": torch.zeros(2, 4)}
+    for e in range(2):
+        for w, shape in (("w1", (6, 4)), ("w2", (4, 6)), ("w3", (6, 4))):
+            name = f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+            tensors[name] = torch.zeros(shape)
+    save_file(tensors, folder / "model.safetensors")
+    config = {"model_type": "mixtral", "intermediate_size": 6, "dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _lines(out: str) -> dict[str, str]:
+    return {line.split()[0]: line.split(maxsplit=1)[1] for line in out.splitlines()}
+
+
+def test_presets_for_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "mixtral"
+    _per_expert_mixtral(folder)
+    assert main(["presets", "--for", str(folder)]) == 0
+    said = _lines(capsys.readouterr().out)
+    assert sorted(said) == preset_names()
+    assert said["moe-fuse"] == "applies"
+    assert said["cast"] == "applies"
+    assert said["moe-unfuse"].startswith("no: no experts.gate_up_proj: the experts are not")
+    assert said["llama-hf-to-meta"] == (
+        'no: model_type is "mixtral", not "llama": this preset converts Llama models only'
+    )
+    assert said["llama-meta-to-hf"].startswith("no: the mapping reads its config from params")
+
+
+def test_a_preset_that_needs_a_param_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    params = {"dim": 8, "n_layers": 1, "n_heads": 2, "norm_eps": 1e-5, "vocab_size": 4}
+    (folder / "params.json").write_text(json.dumps(params))
+    torch.save({"tok_embeddings.weight": torch.zeros(4, 8)}, folder / "consolidated.00.pth")
+    assert main(["presets", "--for", str(folder)]) == 0
+    said = _lines(capsys.readouterr().out)
+    assert said["llama-meta-to-hf"].startswith(
+        'applies once a parameter is set: version="": say which Llama this is'
+    )
+
+
+def test_convert_without_a_mapping_names_the_presets_that_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "mixtral"
+    _per_expert_mixtral(folder)
+    out = tmp_path / "out"
+    assert main(["convert", str(folder), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "give exactly one of --preset NAME or --mapping FILE; presets that apply to" in err
+    assert ": cast, fp8-quant, moe-fuse (`weightmap presets --for" in err
+    assert not out.exists()
+
+
+def test_every_preset_names_what_it_accepts() -> None:
+    # A preset is documentation: a description, and a comment on each param.
+    for name in preset_names():
+        preset = load_preset(name)
+        lines = preset.text.splitlines()
+        assert lines[0] == "weightmap 1" and lines[1].startswith("# "), name
