@@ -17,14 +17,19 @@ from weightmap.plan.nodes import (
     Binary,
     Cast,
     Concat,
+    Gather,
+    Lookup,
     Mask,
+    Matmul,
     Node,
+    Pack,
     Permute,
     Quantize,
     Reshape,
     Slice,
     Source,
     Stack,
+    Unpack,
 )
 
 if TYPE_CHECKING:
@@ -92,7 +97,51 @@ def region(
         # Positions can land anywhere in the output: the (small) source is read whole.
         out = values.mask(evaluate(node.src, get, where), node, where)
         return out.narrow(dim, start, stop - start)
+    if isinstance(node, Matmul):
+        return _matmul_region(node, dim, start, stop, sub)
+    if isinstance(node, (Unpack, Pack)):
+        return _packing_region(node, dim, start, stop, sub, where)
+    if isinstance(node, Gather):
+        if dim == node.dim:  # the indexes of the region; the (small) source whole along dim
+            index = sub(node.index, 0, start, stop)
+            return values.gather(evaluate(node.src, get, where), index, node, where)
+        index = evaluate(node.index, get, where)
+        return values.gather(sub(node.src, dim, start, stop), index, node, where)
+    if isinstance(node, Lookup):  # one entry per code: the codes of the region, the whole table
+        table = evaluate(node.table, get, where)
+        return values.lookup(sub(node.codes, dim, start, stop), table, node, where)
     raise TypeError(f"unknown plan node {type(node).__name__}")
+
+
+Sub = Callable[[Node, int, int, int], "torch.Tensor"]
+
+
+def _matmul_region(node: Matmul, dim: int, start: int, stop: int, sub: Sub) -> torch.Tensor:
+    """The whole tiles of the product that cover the region (see ``values.TILE``), narrowed:
+    rows of ``a`` with the whole of ``b``, or the whole of ``a`` with columns of ``b``."""
+    m, n = node.shape
+    if dim == 0:
+        _, lo, hi = values.tiles(m, values.TILE[0], start, stop)
+        out = values.matmul(sub(node.a, 0, lo, hi), sub(node.b, 1, 0, n), node)
+    else:
+        _, lo, hi = values.tiles(n, values.TILE[1], start, stop)
+        out = values.matmul(sub(node.a, 0, 0, m), sub(node.b, 1, lo, hi), node)
+    return out.narrow(dim, start - lo, stop - start)
+
+
+def _packing_region(
+    node: Unpack | Pack, dim: int, start: int, stop: int, sub: Sub, where: str
+) -> torch.Tensor:
+    """Unpack: the words that hold the region's codes; pack: the codes of the region's words."""
+    if dim != node.dim:
+        src = sub(node.src, dim, start, stop)
+        return values.unpack(src, node) if isinstance(node, Unpack) else values.pack(src, node, where)
+    per = len(node.order)
+    if isinstance(node, Pack):
+        return values.pack(sub(node.src, dim, start * per, stop * per), node, where)
+    lo, hi = start // per, -(-stop // per)
+    out = values.unpack(sub(node.src, dim, lo, hi), node)
+    return out.narrow(dim, start - lo * per, stop - start)
 
 
 def _block_dim(shape: tuple[int, ...], block: tuple[int, ...], dim: int) -> int | None:
@@ -201,11 +250,18 @@ def tree_nodes(node: Node) -> list[Node]:
 
 # Bytes per element that computing a node holds besides its result: value nodes convert
 # their operands to the compute dtype and keep a product or a quantized copy (float32).
-_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16}
+_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16, Unpack: 24, Pack: 24, Matmul: 16,
+                  Gather: 8, Lookup: 8}  # fmt: skip
 
 
 def _working_bytes(n: Node) -> int:
     per = _WORKING_BYTES.get(type(n), 0)
+    if isinstance(n, Matmul):
+        # Each output row converts a row of ``a`` (k values) to the compute dtype besides its
+        # own n; ``b`` is read whole for every chunk of rows (see ``_matmul_region``).
+        return (numel(n.shape) + numel(n.a.shape)) * per
+    if isinstance(n, Pack):  # the codes of a word are held as int64 while it is packed
+        return numel(n.src.shape) * per
     if isinstance(n, Quantize) and n.part == "scales":
         # One scale per block, but each is the largest magnitude of a whole block of the
         # source, converted to float32 to find it: the work is the source's size, not the grid's.
@@ -228,6 +284,12 @@ def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     )
     per_index = max(1, total // max(extent, 1))
     step = max(1, min(extent, budget // per_index))
+    if isinstance(node, Matmul) and dim == 0:
+        # Whole row tiles per chunk where the budget allows: a chunk that cuts a tile
+        # computes the whole tile again (the same bits, at twice the work).
+        tile = min(values.TILE[0], extent)
+        if step >= tile:
+            step = step // tile * tile
     if isinstance(node, Quantize) and node.part == "values":
         # Whole blocks per chunk, or each chunk's edge blocks would be quantized twice.
         size = _block_dim(node.src.shape, node.block, dim)

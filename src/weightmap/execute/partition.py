@@ -28,7 +28,18 @@ from weightmap.format.dtypes import nbytes
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.writer import CheckpointWriter, Piece
 from weightmap.inputs.pickles import PickleHeader
-from weightmap.plan.nodes import Arith, Binary, Mask, Node, Quantize
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Gather,
+    Lookup,
+    Mask,
+    Matmul,
+    Node,
+    Pack,
+    Quantize,
+    Unpack,
+)
 from weightmap.plan.plan import Plan
 
 __all__ = [
@@ -168,7 +179,8 @@ def _cost(unit: _Unit) -> int:
 
 def _per_byte(node: Node) -> int:
     """The estimated cost of one computed output byte of ``node``."""
-    arith = any(isinstance(n, Arith | Binary | Quantize | Mask) for n in tree_nodes(node))
+    computes = (Arith, Binary, Quantize, Mask, Matmul, Unpack, Pack, Gather, Lookup)
+    arith = any(isinstance(n, computes) for n in tree_nodes(node))
     return ARITH_COST if arith else MOVE_COST
 
 

@@ -19,12 +19,25 @@ from typing import TYPE_CHECKING
 from weightmap.errors import ExecutionError
 from weightmap.execute.nans import convert
 from weightmap.format.dtypes import DTYPES
-from weightmap.plan.nodes import Arith, Binary, Mask, Quantize
+from weightmap.plan.nodes import Arith, Binary, Gather, Lookup, Mask, Matmul, Pack, Quantize, Unpack
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["arith", "binary", "expand_blocks", "mask", "quantize"]
+__all__ = [
+    "TILE",
+    "arith",
+    "binary",
+    "expand_blocks",
+    "gather",
+    "lookup",
+    "mask",
+    "matmul",
+    "pack",
+    "quantize",
+    "tiles",
+    "unpack",
+]
 
 
 def _torch(name: str) -> torch.dtype:
@@ -34,8 +47,15 @@ def _torch(name: str) -> torch.dtype:
 def arith(x: torch.Tensor, node: Arith) -> torch.Tensor:
     """``x`` plus or times ``node.value`` in ``node.compute``, rounded to ``node.dtype``."""
     c = convert(x, _torch(node.compute))
-    y = c + node.value if node.op == "add" else c * node.value
-    return convert(y, _torch(node.dtype))
+    return convert(_combine(node.op, c, node.value), _torch(node.dtype))
+
+
+def _combine(op: str, a: torch.Tensor, b: torch.Tensor | int | float) -> torch.Tensor:
+    if op == "add":
+        return a + b
+    if op == "sub":
+        return a - b
+    return a * b
 
 
 def expand_blocks(
@@ -61,8 +81,7 @@ def binary(
     ac, bc = convert(a, compute), convert(b, compute)
     if node.block:
         bc = expand_blocks(bc, node.block, tuple(a.shape), offsets or (0,) * len(node.block))
-    y = ac + bc if node.op == "add" else ac * bc
-    return convert(y, _torch(node.dtype))
+    return convert(_combine(node.op, ac, bc), _torch(node.dtype))
 
 
 def quantize(x: torch.Tensor, node: Quantize) -> torch.Tensor:
@@ -117,3 +136,128 @@ def mask(positions: torch.Tensor, node: Mask, where: str) -> torch.Tensor:
             "each position must appear once"
         )
     return out
+
+
+# A matrix product is computed in tiles of at most TILE = (rows, columns) of the output, each
+# the product of a [rows, k] block of ``a`` and a [k, columns] block of ``b`` of exactly that
+# shape (a last, partial tile is padded with zeros to it). The BLAS kernels behind
+# ``torch.matmul`` choose their blocking, vector lanes and threads by the operands' shapes, so
+# the same rows multiplied as part of a larger or smaller block can give different bits; with
+# every tile the same shape and at the same place in the output, each output element is
+# computed by the same call whatever part of the output a chunk asks for.
+TILE = (64, 4096)
+
+
+def tiles(extent: int, size: int, start: int, stop: int) -> tuple[int, int, int]:
+    """The tile size along a dim of ``extent`` (``size``, or the whole dim when smaller) and
+    the tile-aligned ``[lo, hi)`` that covers ``[start, stop)``."""
+    step = min(size, max(extent, 1))
+    lo = start // step * step
+    hi = min(extent, -(-stop // step) * step)
+    return step, lo, hi
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, node: Matmul) -> torch.Tensor:
+    """``a @ b`` tile by tile in ``node.compute``, rounded once to ``node.dtype``.
+
+    ``a`` holds rows of the node's ``a`` starting at a row tile's first row, ``b`` columns of
+    its ``b`` starting at a column tile's first column (``tiles`` finds them), so the tiles
+    computed here are tiles of the whole product.
+    """
+    import torch
+
+    compute = _torch(node.compute)
+    m, n = node.shape
+    row_step, col_step = min(TILE[0], max(m, 1)), min(TILE[1], max(n, 1))
+    ac, bc = convert(a, compute), convert(b, compute)
+    k = ac.shape[1]
+    out = torch.empty((ac.shape[0], bc.shape[1]), dtype=compute)
+    for r in range(0, ac.shape[0], row_step):
+        block = ac[r : r + row_step]
+        if block.shape[0] < row_step:
+            block = torch.cat([block, torch.zeros((row_step - block.shape[0], k), dtype=compute)])
+        for c in range(0, bc.shape[1], col_step):
+            part = bc[:, c : c + col_step]
+            width = part.shape[1]
+            if width < col_step:
+                part = torch.cat([part, torch.zeros((k, col_step - width), dtype=compute)], 1)
+            height = min(row_step, ac.shape[0] - r)
+            out[r : r + height, c : c + width] = torch.matmul(block, part)[:height, :width]
+    return convert(out, _torch(node.dtype))
+
+
+def _fields(bits: int, order: Sequence[int]) -> list[int]:
+    """The shift of each code of a word, in code order."""
+    return [f * bits for f in order]
+
+
+def unpack(words: torch.Tensor, node: Unpack) -> torch.Tensor:
+    """Each word split into its codes along ``node.dim``, code i from field ``order[i]``."""
+    import torch
+
+    per = len(node.order)
+    dim = node.dim
+    # Every source width as int64 (a U64 by its bits): an arithmetic shift then the mask
+    # gives each field whatever the sign bit.
+    wide = words.view(torch.int64) if words.dtype == torch.uint64 else words.to(torch.int64)
+    mask = (1 << node.bits) - 1
+    shifts = torch.tensor(_fields(node.bits, node.order), dtype=torch.int64)
+    view = [1] * (wide.dim() + 1)
+    view[dim + 1] = per
+    codes = (wide.unsqueeze(dim + 1) >> shifts.view(view)) & mask
+    shape = list(words.shape)
+    shape[dim] *= per
+    return codes.reshape(shape).to(_torch(node.dtype))
+
+
+def pack(codes: torch.Tensor, node: Pack, where: str) -> torch.Tensor:
+    """Runs of codes along ``node.dim`` packed into words, code i into field ``order[i]``."""
+    import torch
+
+    per = len(node.order)
+    dim = node.dim
+    wide = codes.to(torch.int64)
+    if wide.numel():
+        lo, hi = int(wide.min()), int(wide.max())
+        if lo < 0 or hi >= 1 << node.bits:
+            raise ExecutionError(
+                f"{where}: codes in [{lo}, {hi}] do not fit in {node.bits} bits "
+                f"([0, {(1 << node.bits) - 1}])"
+            )
+    shape = list(codes.shape)
+    shape[dim : dim + 1] = [shape[dim] // per, per]
+    grouped = wide.reshape(shape)
+    view = [1] * grouped.dim()
+    view[dim + 1] = per
+    shifts = torch.tensor(_fields(node.bits, node.order), dtype=torch.int64).view(view)
+    words = (grouped << shifts).sum(dim + 1)  # fields do not overlap: the sum is an or
+    bits = DTYPES[node.dtype].bits
+    if DTYPES[node.dtype].kind == "int" and bits < 64:
+        # The top field lands in the sign bit: the word's two's complement, as stored.
+        words = torch.where(words >= 1 << (bits - 1), words - (1 << bits), words)
+    if node.dtype == "U64":
+        return words.view(torch.uint64)
+    return words.to(_torch(node.dtype))
+
+
+def _check_index(index: torch.Tensor, size: int, what: str, where: str) -> torch.Tensor:
+    import torch
+
+    idx = index.to(torch.int64)
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= size:
+            raise ExecutionError(f"{where}: {what} run from {lo} to {hi}, outside 0..{size - 1}")
+    return idx
+
+
+def gather(src: torch.Tensor, index: torch.Tensor, node: Gather, where: str) -> torch.Tensor:
+    """``src.index_select(dim, index)``; an index out of range is an error."""
+    idx = _check_index(index, src.shape[node.dim], "gather indexes", where)
+    return src.index_select(node.dim, idx)
+
+
+def lookup(codes: torch.Tensor, table: torch.Tensor, node: Lookup, where: str) -> torch.Tensor:
+    """``table[codes]``; a code outside the table is an error."""
+    idx = _check_index(codes, table.shape[0], "lookup codes", where)
+    return table[idx]

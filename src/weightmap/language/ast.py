@@ -312,9 +312,15 @@ RuleOp = Literal[
     "reshape",
     "cast",
     "add",
+    "sub",
     "mul",
     "quantize",
     "mask",
+    "matmul",
+    "gather",
+    "lookup",
+    "unpack",
+    "pack",
 ]
 
 
@@ -325,8 +331,9 @@ class Rule:
     ``dim``: split/chunk/merge/stack/unstack; ``sizes``: split/merge; ``over``: stack;
     ``dims``: transpose/permute; ``from_shape``/``to_shape``: reshape;
     ``from_dtype``/``to_dtype``: cast (``to_dtype`` also the result of add/mul/quantize);
-    ``value``, ``block``, ``compute``: add/mul (``block`` also quantize); ``size``,
-    ``plus_index``: mask.
+    ``value``, ``block``, ``compute``: add/sub/mul (``block`` also quantize, ``compute`` also
+    matmul); ``size``, ``plus_index``: mask; ``dim`` also gather/unpack/pack, with ``bits`` and
+    ``order`` for unpack/pack.
     """
 
     op: RuleOp
@@ -347,6 +354,8 @@ class Rule:
     compute: str | None = None
     size: Expr | None = None
     plus_index: bool = False
+    bits: Expr | None = None
+    order: Expr | None = None
     loc: Loc = field(default=NOWHERE, compare=False)
 
 

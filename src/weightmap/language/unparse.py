@@ -12,7 +12,8 @@ __all__ = ["pattern_text", "template_text", "unparse", "unparse_expr"]
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WORDS = (
     "weightmap param include unmatched require else warn if rename keep drop copy split chunk "
-    "merge stack unstack transpose permute reshape cast add mul quantize mask block size plus "
+    "merge stack unstack transpose permute reshape cast add sub mul quantize mask block size plus "
+    "matmul gather lookup unpack pack bits order "
     "index dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error "
     "files file"
@@ -151,7 +152,7 @@ def _value_rule(r: A.Rule, pats: str, outs: str) -> str:
 def _rule(r: A.Rule) -> str:
     pats = ", ".join(_s(p.text) for p in r.patterns)
     outs = ", ".join(_s(t.text) for t in r.outputs)
-    if r.op in ("add", "mul", "quantize", "mask"):
+    if r.op in ("add", "sub", "mul", "quantize", "mask", "matmul"):
         return _value_rule(r, pats, outs)
     words = [r.op + ("?" if r.optional else "")]
     words.append(pats)
@@ -165,6 +166,10 @@ def _rule(r: A.Rule) -> str:
         value = getattr(r, key)
         if value is not None:
             words.append(f"{key} {unparse_expr(value)}")
+    for key in ("bits", "order"):  # read at the `+`/`-` level, as values are
+        value = getattr(r, key)
+        if value is not None:
+            words.append(f"{key} {unparse_expr(value, _ARITH)}")
     if r.to_shape is not None:
         words.append(f"to {unparse_expr(r.to_shape)}")
     if r.to_dtype:
