@@ -189,3 +189,72 @@ def test_gptq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     with pytest.raises(MappingError, match="GPTQ with 3-bit codes"):
         weightmap.compile(tmp_path / "src", preset="gptq-dequant")
+
+
+# ---------------------------------------------------------------- AWQ
+
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def dequantize_gemm(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """AutoAWQ awq/utils/packing_utils.py: ``unpack_awq`` (shift each int32 word by 0, 4, ...
+    28 along a new last dim, to int8), ``reverse_awq_order`` (columns of each word reordered by
+    AWQ_REVERSE_ORDER), mask to ``bits``, zeros and scales repeated over ``group_size`` rows,
+    ``(iweight - izeros) * scales``."""
+    shifts = torch.arange(0, 32, bits)
+    iweights = torch.bitwise_right_shift(qweight[:, :, None], shifts[None, None, :]).to(torch.int8)
+    iweights = iweights.view(iweights.shape[0], -1)
+    izeros = torch.bitwise_right_shift(qzeros[:, :, None], shifts[None, None, :]).to(torch.int8)
+    izeros = izeros.view(izeros.shape[0], -1)
+    order = torch.arange(iweights.shape[-1], dtype=torch.int32).view(-1, 32 // bits)
+    order = order[:, AWQ_REVERSE_ORDER].view(-1)
+    iweights, izeros = iweights[:, order], izeros[:, order]
+    iweights = torch.bitwise_and(iweights, (2**bits) - 1)
+    izeros = torch.bitwise_and(izeros, (2**bits) - 1)
+    scales = scales.repeat_interleave(group_size, dim=0)
+    izeros = izeros.repeat_interleave(group_size, dim=0)
+    return (iweights - izeros) * scales
+
+
+def _awq_checkpoint(root: Path, group: int = 32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    tensors = {"lm_head.weight": torch.randn(8, 64, generator=gen).to(torch.float16)}
+    for name, (k, n) in {"self_attn.q_proj": (64, 48), "mlp.up_proj": (96, 64)}.items():
+        base = f"model.layers.0.{name}"
+        tensors[f"{base}.qweight"] = _words(gen, k, n // 8)
+        tensors[f"{base}.qzeros"] = _words(gen, k // group, n // 8)
+        tensors[f"{base}.scales"] = (torch.rand(k // group, n, generator=gen) * 0.02).half()
+    quant = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+             "zero_point": True}  # fmt: skip
+    _save(root, tensors, {"torch_dtype": "float16", "quantization_config": quant})
+    return tensors
+
+
+def test_awq_dequant_preset_matches_autoawq(tmp_path: Path) -> None:
+    tensors = _awq_checkpoint(tmp_path / "src")
+    out = _run(tmp_path / "src", preset="awq-dequant")
+    assert sorted(out) == [
+        "lm_head.weight", "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]  # fmt: skip
+    for base in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+        ref = dequantize_gemm(
+            tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 4, 32
+        ).T
+        assert ref.dtype == torch.float16
+        assert torch.equal(_bits(out[f"{base}.weight"]), _bits(ref)), base
+    assert torch.equal(out["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_awq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
+    _gptq_checkpoint(tmp_path / "gptq")
+    with pytest.raises(MappingError, match="not an AWQ checkpoint"):
+        weightmap.compile(tmp_path / "gptq", preset="awq-dequant")
+    _awq_checkpoint(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["quantization_config"]["bits"] = 8
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MappingError, match="not a 4-bit AWQ checkpoint"):
+        weightmap.compile(tmp_path / "src", preset="awq-dequant")
