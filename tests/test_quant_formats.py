@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import weightmap
@@ -258,3 +260,227 @@ def test_awq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     with pytest.raises(MappingError, match="not a 4-bit AWQ checkpoint"):
         weightmap.compile(tmp_path / "src", preset="awq-dequant")
+
+
+# ---------------------------------------------------------------- the primitives
+
+
+@pytest.mark.parametrize(
+    ("word", "bits", "order", "dim"),
+    [
+        (torch.int32, 4, [0, 4, 1, 5, 2, 6, 3, 7], 1),
+        (torch.int32, 4, list(range(8)), 0),
+        (torch.uint8, 2, [3, 2, 1, 0], 1),
+        (torch.int64, 16, [1, 0, 3, 2], 0),
+        (torch.int16, 1, list(range(15, -1, -1)), 1),
+    ],
+)
+def test_unpack_is_shift_and_mask_and_pack_undoes_it(
+    tmp_path: Path, word: torch.dtype, bits: int, order: list[int], dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    info = torch.iinfo(word)
+    words = torch.randint(info.min, info.max, (6, 5), generator=gen, dtype=torch.int64).to(word)
+    root = _save(tmp_path / "src", {"w": words})
+    width = info.bits
+    name = {torch.int32: "i32", torch.uint8: "u8", torch.int64: "i64", torch.int16: "i16"}[word]
+    mapping = f"""weightmap 1
+unpack "w" dim {dim} bits {bits} order {order} -> "codes"
+copy "codes" -> "c2"
+pack "c2" dim {dim} bits {bits} order {order} to {name} -> "back"
+"""
+    out = _run(root, mapping, chunks=(1 << 20, 7, 3))
+    wide = words.to(torch.int64)
+    fields = [(wide >> (f * bits)) & ((1 << bits) - 1) for f in order]  # code i = field order[i]
+    expected = torch.stack(fields, dim + 1).flatten(dim, dim + 1)
+    assert out["codes"].dtype == (torch.uint8 if bits <= 8 else torch.uint16)
+    assert out["codes"].shape[dim] == words.shape[dim] * (width // bits)
+    assert torch.equal(out["codes"].to(torch.int64), expected)
+    assert torch.equal(out["back"], words)
+
+
+def test_pack_stops_at_a_code_too_wide_for_its_field(tmp_path: Path) -> None:
+    root = _save(tmp_path / "src", {"c": torch.tensor([[1, 2, 3, 16, 0, 0, 0, 0]], dtype=torch.uint8)})
+    with pytest.raises(ExecutionError, match=r"codes in \[0, 16\] do not fit in 4 bits"):
+        _run(root, 'weightmap 1\npack "c" dim 1 bits 4 -> "w"\n', chunks=(1 << 20,))
+
+
+@pytest.mark.parametrize(
+    ("rule", "why"),
+    [
+        ('unpack "w" dim 0 bits 3', "bits must be one of 1, 2, 4, 8, 16, got 3"),
+        ('unpack "w" dim 0 bits 4 order [0, 1, 2]', r"order \[0, 1, 2\] must list each of the 8"),
+        ('unpack "f" dim 0 bits 4', "`f` is F32: unpack reads integer words"),
+        ('unpack "b" dim 0 bits 8', "8-bit codes need a word wider than U8's 8 bits"),
+        ('pack "b" dim 0 bits 4 -> "p"', r"dim 0 must hold whole words of 8 codes"),
+        ('pack "f" dim 0 bits 4 -> "p"', "`f` is F32: pack reads integer codes"),
+        ('pack "b" dim 0 bits 4 to f32 -> "p"', "word dtype"),
+        ('gather "f", "f2" dim 0 -> "g"', "the index of a gather must be an integer tensor"),
+        ('gather "f", "w" dim 0 -> "g"', r"`w` is \[2, 3\]: a gather's index is 1-D"),
+        ('lookup "f", "f2" -> "v"', "the codes of a lookup must be an integer tensor"),
+        ('lookup "b", "w" -> "v"', "a lookup table is a non-empty 1-D tensor"),
+        ('matmul "f", "w" -> "m"', "matmul runs on float|is I32: arithmetic runs on float"),
+        ('matmul "f", "f3" -> "m"', r"the columns of the first must match the rows"),
+        ('matmul "f", "f2" in bf16 -> "m"', "compute dtype"),
+        ('matmul "f" -> "m"', "`matmul` takes two tensors, one per pattern"),
+        ('sub "w" 1', "`w` is I32: arithmetic runs on float tensors"),
+    ],
+)
+def test_primitives_are_checked_at_compile_time(tmp_path: Path, rule: str, why: str) -> None:
+    root = _save(
+        tmp_path / "src",
+        {"w": torch.zeros(2, 3, dtype=torch.int32), "f": torch.zeros(2, 3),
+         "f2": torch.zeros(3, 2), "f3": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.uint8)},
+    )  # fmt: skip
+    with pytest.raises(MappingError, match=why):
+        weightmap.compile(root, mapping=f"weightmap 1\n{rule}\nunmatched keep\n")
+
+
+def test_casts_between_integers_and_floats_check_what_would_change(tmp_path: Path) -> None:
+    root = _save(
+        tmp_path / "src",
+        {"i": torch.tensor([-3, 0, 70000], dtype=torch.int32),
+         "u": torch.tensor([1, 65535], dtype=torch.int32).to(torch.uint16),
+         "whole": torch.tensor([-2.0, 0.0, 255.0]), "half": torch.tensor([1.5]),
+         "nan": torch.tensor([float("nan")]), "big": torch.tensor([300.0])},
+    )  # fmt: skip
+    out = _run(root, 'weightmap 1\ncast "i" to f32\ncast "whole" to i16\nunmatched keep\n')
+    assert torch.equal(out["i"], torch.tensor([-3.0, 0.0, 70000.0]))
+    assert torch.equal(out["whole"], torch.tensor([-2, 0, 255], dtype=torch.int16))
+    for rule, why in (
+        ('cast "half" to i32', r"1\.5 is not a whole number: a cast from F32 to I32 does not round"),
+        ('cast "nan" to i32', "a NaN or an infinity cannot be cast from F32 to I32"),
+        ('cast "big" to u8', r"values in \[300, 300\] do not fit in U8"),
+        ('cast "u" to f16', r"values in \[1, 65535\] do not fit in F16"),
+    ):
+        with pytest.raises(ExecutionError, match=why):
+            _run(root, f"weightmap 1\n{rule}\nunmatched keep\n", chunks=(1 << 20,))
+
+
+def test_gather_and_lookup_stop_at_an_index_out_of_range(tmp_path: Path) -> None:
+    root = _save(
+        tmp_path / "src",
+        {"s": torch.randn(3, 4), "g": torch.tensor([0, 2, 3, 1]),
+         "c": torch.tensor([[0, 1], [5, 2]], dtype=torch.uint8), "t": torch.randn(4)},
+    )  # fmt: skip
+    with pytest.raises(ExecutionError, match="gather indexes run from 0 to 3, outside 0..2"):
+        _run(root, 'weightmap 1\ngather "s", "g" dim 0 -> "x"\nunmatched keep\n', chunks=(1 << 20,))
+    with pytest.raises(ExecutionError, match="lookup codes run from 0 to 5, outside 0..3"):
+        _run(root, 'weightmap 1\nlookup "c", "t" -> "x"\nunmatched keep\n', chunks=(1 << 20,))
+
+
+def test_lookup_decodes_codes_through_a_codebook(tmp_path: Path) -> None:
+    """A 4-bit codebook format: two codes per byte, low nibble first, each an entry of a
+    16-value table (bitsandbytes' NF4 values here), times a per-block absmax."""
+    gen = torch.Generator().manual_seed(3)
+    nf4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+                        0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])  # fmt: skip
+    packed = torch.randint(0, 256, (64,), generator=gen, dtype=torch.int64).to(torch.uint8)
+    absmax = torch.rand(4, generator=gen)
+    root = _save(tmp_path / "src", {"w.packed": packed, "w.table": nf4, "w.absmax": absmax})
+    mapping = """weightmap 1
+unpack "w.packed" dim 0 bits 4 -> "w.codes"
+lookup "w.codes", "w.table" -> "w.values"
+mul "w.values", "w.absmax" block [32] -> "w.weight"
+"""
+    out = _run(root, mapping, chunks=(1 << 20, 40, 9))
+    codes = torch.stack([packed & 15, packed >> 4], 1).flatten().long()
+    expected = nf4[codes] * absmax.repeat_interleave(32)
+    assert torch.equal(out["w.weight"], expected)
+
+
+def test_dequantizations_are_not_inverted_and_say_why() -> None:
+    for text, why in (
+        ('unpack "w" dim 0 bits 4 -> "c"', "does not say the words' dtype"),
+        ('gather "s", "g" dim 0 -> "x"', "a gather repeats or leaves out"),
+        ('lookup "c", "t" -> "x"', "a table lookup cannot be read back"),
+        ('matmul "a", "b" -> "c"', "cannot be factored back"),
+        ('sub "a", "b" -> "c"', "arithmetic rounds to its result dtype"),
+    ):
+        with pytest.raises(MappingError, match=why):
+            weightmap.invert(weightmap.load_mapping(f"weightmap 1\n{text}\n"))
+    with pytest.raises(MappingError, match="cannot be factored back|a gather repeats"):
+        weightmap.invert(weightmap.load_mapping("gptq-dequant"))
+
+
+# ---------------------------------------------------------------- the matrix product
+
+
+def _matmul_node(m: int, k: int, n: int, compute: str = "F32", out: str = "F32") -> Any:
+    from weightmap.plan.nodes import Matmul, Source
+
+    a = Source(name="a", dtype="F32", shape=(m, k))
+    b = Source(name="b", dtype="F32", shape=(k, n))
+    return Matmul(a=a, b=b, compute=compute, dtype=out, shape=(m, n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40), k=st.integers(1, 30), n=st.integers(1, 40),
+    cuts=st.lists(st.integers(1, 39), max_size=4), dim=st.sampled_from([0, 1]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_matmul_gives_the_same_bits_whatever_the_chunks_and_threads(
+    m: int, k: int, n: int, cuts: list[int], dim: int, seed: int
+) -> None:
+    """Each output element is summed in the same order, however the output is cut into
+    chunks (by rows or by columns) and whatever torch's thread count; torch.matmul itself
+    differs between one thread and two on some of these shapes."""
+    from weightmap.execute.chunks import region
+    from weightmap.execute.kernels import evaluate
+
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {"a": torch.randn(m, k, generator=gen), "b": torch.randn(k, n, generator=gen)}
+    node = _matmul_node(m, k, n)
+    extent = node.shape[dim]
+    bounds = sorted({0, extent, *(c for c in cuts if c < extent)})
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            whole = evaluate(node, inputs.__getitem__)
+            pieces = [
+                region(node, dim, lo, hi, inputs.__getitem__, "t")
+                for lo, hi in zip(bounds, bounds[1:], strict=False)
+            ]
+            assert torch.equal(torch.cat(pieces, dim), whole)
+            results.append(whole)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], inputs["a"] @ inputs["b"], rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_rule_streams_in_row_chunks(tmp_path: Path) -> None:
+    """``matmul`` of two tensors of a checkpoint (a LoRA-shaped product, B @ A), rounded once
+    to bf16 from float32; streamed at chunk sizes that cut row tiles."""
+    gen = torch.Generator().manual_seed(9)
+    lora_b = torch.randn(200, 8, generator=gen).to(torch.bfloat16)
+    lora_a = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
+    root = _save(tmp_path / "src", {"l.lora_B": lora_b, "l.lora_A": lora_a})
+    out = _run(root, 'weightmap 1\nmatmul "l.lora_B", "l.lora_A" to bf16 -> "l.delta"\n',
+               chunks=(1 << 20, 5000, 100))  # fmt: skip
+    acc = torch.zeros(200, 96)
+    for i in range(8):  # the inner index in order, each product and sum rounded in float32
+        acc = acc + lora_b[:, i : i + 1].float() * lora_a[i : i + 1, :].float()
+    assert torch.equal(out["l.delta"], acc.to(torch.bfloat16))
+    plan = weightmap.compile(root, mapping='weightmap 1\nmatmul "l.lora_B", "l.lora_A" -> "d"\n')
+    assert "matmul l.lora_A in F32" in plan.explain()
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(64, 16, 64), (32, 1024, 48), (8, 4096, 8)])
+def test_matmul_error_is_within_the_bound_of_an_ordered_sum(m: int, k: int, n: int) -> None:
+    """Summed in order in float32, each element is within gamma_k * sum_i |a_i b_i| of the
+    exact product (gamma_k = k u / (1 - k u), u = 2**-24), the classic bound of a recursive
+    sum; torch.matmul's blocked sums meet it too, with other bits."""
+    from weightmap.execute import values
+
+    gen = torch.Generator().manual_seed(k)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    ours = values.matmul(a, b, _matmul_node(m, k, n))
+    exact = a.double() @ b.double()
+    u = 2.0**-24
+    gamma = k * u / (1 - k * u)
+    bound = gamma * (a.abs().double() @ b.abs().double())
+    assert bool(((ours.double() - exact).abs() <= bound).all())

@@ -117,16 +117,12 @@ Sub = Callable[[Node, int, int, int], "torch.Tensor"]
 
 
 def _matmul_region(node: Matmul, dim: int, start: int, stop: int, sub: Sub) -> torch.Tensor:
-    """The whole tiles of the product that cover the region (see ``values.TILE``), narrowed:
-    rows of ``a`` with the whole of ``b``, or the whole of ``a`` with columns of ``b``."""
+    """Rows of ``a`` with the whole of ``b``, or the whole of ``a`` with columns of ``b``: each
+    element of the product is computed alone (``values.matmul``), so any region will do."""
     m, n = node.shape
     if dim == 0:
-        _, lo, hi = values.tiles(m, values.TILE[0], start, stop)
-        out = values.matmul(sub(node.a, 0, lo, hi), sub(node.b, 1, 0, n), node)
-    else:
-        _, lo, hi = values.tiles(n, values.TILE[1], start, stop)
-        out = values.matmul(sub(node.a, 0, 0, m), sub(node.b, 1, lo, hi), node)
-    return out.narrow(dim, start - lo, stop - start)
+        return values.matmul(sub(node.a, 0, start, stop), sub(node.b, 1, 0, n), node)
+    return values.matmul(sub(node.a, 0, 0, m), sub(node.b, 1, start, stop), node)
 
 
 def _packing_region(
@@ -257,9 +253,9 @@ _WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16, Unpack: 24, Pack: 24, Matm
 def _working_bytes(n: Node) -> int:
     per = _WORKING_BYTES.get(type(n), 0)
     if isinstance(n, Matmul):
-        # Each output row converts a row of ``a`` (k values) to the compute dtype besides its
-        # own n; ``b`` is read whole for every chunk of rows (see ``_matmul_region``).
-        return (numel(n.shape) + numel(n.a.shape)) * per
+        # The sum and one product per output element, in the compute dtype (up to 8 bytes
+        # each), and a row of ``a`` converted; ``b`` is read whole for every chunk of rows.
+        return numel(n.shape) * per + numel(n.a.shape) * 8
     if isinstance(n, Pack):  # the codes of a word are held as int64 while it is packed
         return numel(n.src.shape) * per
     if isinstance(n, Quantize) and n.part == "scales":
@@ -284,12 +280,6 @@ def chunk_plan(node: Node, budget: int) -> tuple[int, int]:
     )
     per_index = max(1, total // max(extent, 1))
     step = max(1, min(extent, budget // per_index))
-    if isinstance(node, Matmul) and dim == 0:
-        # Whole row tiles per chunk where the budget allows: a chunk that cuts a tile
-        # computes the whole tile again (the same bits, at twice the work).
-        tile = min(values.TILE[0], extent)
-        if step >= tile:
-            step = step // tile * tile
     if isinstance(node, Quantize) and node.part == "values":
         # Whole blocks per chunk, or each chunk's edge blocks would be quantized twice.
         size = _block_dim(node.src.shape, node.block, dim)

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "TILE",
     "arith",
     "binary",
     "expand_blocks",
@@ -35,7 +34,6 @@ __all__ = [
     "matmul",
     "pack",
     "quantize",
-    "tiles",
     "unpack",
 ]
 
@@ -138,51 +136,32 @@ def mask(positions: torch.Tensor, node: Mask, where: str) -> torch.Tensor:
     return out
 
 
-# A matrix product is computed in tiles of at most TILE = (rows, columns) of the output, each
-# the product of a [rows, k] block of ``a`` and a [k, columns] block of ``b`` of exactly that
-# shape (a last, partial tile is padded with zeros to it). The BLAS kernels behind
-# ``torch.matmul`` choose their blocking, vector lanes and threads by the operands' shapes, so
-# the same rows multiplied as part of a larger or smaller block can give different bits; with
-# every tile the same shape and at the same place in the output, each output element is
-# computed by the same call whatever part of the output a chunk asks for.
-TILE = (64, 4096)
-
-
-def tiles(extent: int, size: int, start: int, stop: int) -> tuple[int, int, int]:
-    """The tile size along a dim of ``extent`` (``size``, or the whole dim when smaller) and
-    the tile-aligned ``[lo, hi)`` that covers ``[start, stop)``."""
-    step = min(size, max(extent, 1))
-    lo = start // step * step
-    hi = min(extent, -(-stop // step) * step)
-    return step, lo, hi
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor, node: Matmul) -> torch.Tensor:
-    """``a @ b`` tile by tile in ``node.compute``, rounded once to ``node.dtype``.
+    """``a @ b`` in ``node.compute``, rounded once to ``node.dtype``; ``a`` may be some rows
+    of the node's ``a`` and ``b`` some columns of its ``b`` (a chunk of the product).
 
-    ``a`` holds rows of the node's ``a`` starting at a row tile's first row, ``b`` columns of
-    its ``b`` starting at a column tile's first column (``tiles`` finds them), so the tiles
-    computed here are tiles of the whole product.
+    Each output element is ``((a[i,0]*b[0,j] + a[i,1]*b[1,j]) + ...)`` summed in order of
+    the inner index, every product and sum rounded in the compute dtype: one elementwise
+    multiply and one add over the whole chunk per inner index. Elementwise IEEE operations
+    give the same bits in torch's vector and scalar loops and whatever its threads, so an
+    element does not depend on the chunk it is computed in, the thread count or the machine.
+    BLAS (``torch.matmul``) does not promise that: its blocking, vector lanes and the split
+    between threads follow the operands' shapes and the thread count, and a [5, 5] @ [5, 17]
+    product differs in the last bits between one thread and two. The price is one pass over
+    the chunk per inner index: cheap for a LoRA delta (rank 8 to 256), slow for a large inner
+    dimension.
     """
     import torch
 
     compute = _torch(node.compute)
-    m, n = node.shape
-    row_step, col_step = min(TILE[0], max(m, 1)), min(TILE[1], max(n, 1))
     ac, bc = convert(a, compute), convert(b, compute)
-    k = ac.shape[1]
-    out = torch.empty((ac.shape[0], bc.shape[1]), dtype=compute)
-    for r in range(0, ac.shape[0], row_step):
-        block = ac[r : r + row_step]
-        if block.shape[0] < row_step:
-            block = torch.cat([block, torch.zeros((row_step - block.shape[0], k), dtype=compute)])
-        for c in range(0, bc.shape[1], col_step):
-            part = bc[:, c : c + col_step]
-            width = part.shape[1]
-            if width < col_step:
-                part = torch.cat([part, torch.zeros((k, col_step - width), dtype=compute)], 1)
-            height = min(row_step, ac.shape[0] - r)
-            out[r : r + height, c : c + width] = torch.matmul(block, part)[:height, :width]
+    out = torch.zeros((ac.shape[0], bc.shape[1]), dtype=compute)
+    product = torch.empty_like(out)
+    for i in range(ac.shape[1]):
+        # Multiply, then add: two roundings, as written; a fused multiply-add would round
+        # once in vector loops and twice in scalar ones.
+        torch.mul(ac[:, i : i + 1], bc[i : i + 1, :], out=product)
+        out.add_(product)
     return convert(out, _torch(node.dtype))
 
 
