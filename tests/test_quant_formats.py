@@ -484,3 +484,29 @@ def test_matmul_error_is_within_the_bound_of_an_ordered_sum(m: int, k: int, n: i
     gamma = k * u / (1 - k * u)
     bound = gamma * (a.abs().double() @ b.abs().double())
     assert bool(((ours.double() - exact).abs() <= bound).all())
+
+
+# ---------------------------------------------------------------- the worked examples
+
+
+def test_gptq_worked_example_matches_llama_cpp(tmp_path: Path) -> None:
+    from test_conversions import example
+
+    tensors = _gptq_checkpoint(tmp_path / "src", desc_act=True)
+    out = _run(tmp_path / "src", example("gptq-dequant"))
+    expected = _expect_gptq(tensors, 4)
+    assert out.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(_bits(out[name]), _bits(t)), name
+
+
+def test_awq_worked_example_matches_autoawq(tmp_path: Path) -> None:
+    from test_conversions import example
+
+    tensors = _awq_checkpoint(tmp_path / "src")
+    out = _run(tmp_path / "src", example("awq-dequant"))
+    for base in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+        ref = dequantize_gemm(
+            tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 4, 32
+        ).T
+        assert torch.equal(_bits(out[f"{base}.weight"]), _bits(ref)), base
