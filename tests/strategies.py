@@ -40,6 +40,7 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
     Gather,
     Lookup,
@@ -48,7 +49,9 @@ from weightmap.plan.nodes import (
     Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
@@ -148,8 +151,23 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
     for _ in range(draw(st.integers(0, depth))):
         op = draw(
             st.sampled_from(
-                ["slice", "concat", "stack", "permute", "reshape", "cast", "arith", "quantize",
-                 "unpack", "pack", "gather", "lookup", "matmul"]  # fmt: skip
+                [
+                    "slice",
+                    "concat",
+                    "stack",
+                    "permute",
+                    "reshape",
+                    "cast",
+                    "arith",
+                    "quantize",
+                    "unpack",
+                    "pack",
+                    "gather",
+                    "lookup",
+                    "matmul",
+                    "round",
+                    "reduce",
+                ]
             )
         )
         rank = len(node.shape)
@@ -204,7 +222,7 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
             node = Cast(src=node, dtype=target, shape=node.shape)
         elif op == "arith" and floating:
             node = _arith(draw, node)
-        elif op in ("unpack", "pack", "gather", "lookup", "matmul"):
+        elif op in ("unpack", "pack", "gather", "lookup", "matmul", "round", "reduce"):
             node = _quant_node(draw, op, node)
         elif op == "quantize" and floating and rank >= 2 and all(node.shape):
             block = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
@@ -266,6 +284,28 @@ def _quant_node(draw: st.DrawFn, op: str, node: Node) -> Node:
             table = Reshape(src=node, dtype=node.dtype, shape=(numel(node.shape),))
             codes = _codes(bits)
             return Lookup(codes=codes, table=table, dtype=node.dtype, shape=codes.shape)
+    if op == "round" and node.dtype in FLOATS:
+        mode = draw(st.sampled_from(["round", "floor", "ceil", "clamp"]))
+        if mode == "clamp":
+            return Clamp(src=node, low=-1.5, high=draw(st.sampled_from([0, 2.25, 1e6])),
+                         dtype=node.dtype, shape=node.shape)  # fmt: skip
+        return Round(src=node, mode=mode, dtype=node.dtype, shape=node.shape)
+    if op == "reduce" and rank and (node.dtype in FLOATS or node.dtype in INTS[:7]):
+        reduction = draw(st.sampled_from(["amax", "amin", "sum"]))
+        dim = draw(st.integers(0, rank - 1))
+        extent = node.shape[dim]
+        if reduction == "sum" and node.dtype not in FLOATS:
+            return node
+        groups = [g for g in range(1, extent + 1) if extent % g == 0]
+        group = draw(st.sampled_from([0, *groups])) if groups else 0
+        if not group and not extent and reduction != "sum":
+            return node
+        size = [extent // group] if group else []
+        shape = (*node.shape[:dim], *size, *node.shape[dim + 1 :])
+        out = draw(st.sampled_from(FLOATS)) if reduction == "sum" else node.dtype
+        compute = draw(st.sampled_from(["F32", "F64"]))
+        return Reduce(src=node, op=reduction, dim=dim, group=group, compute=compute,
+                      dtype=out, shape=shape)  # fmt: skip
     if op == "matmul" and rank == 2 and node.dtype in FLOATS:
         b = Permute(src=node, perm=(1, 0), dtype=node.dtype, shape=node.shape[::-1])
         compute = draw(st.sampled_from(["F32", "F64"]))
@@ -980,13 +1020,23 @@ def _packed_block(
     order = list(draw(st.permutations(range(per))))
     words = draw(tensor(shape, "I32"))
     unpacked = (*shape[:d], shape[d] * per, *shape[d + 1 :])
-    kind = draw(st.sampled_from(["pack", "gather", "lookup", "matmul"]))
+    kind = draw(st.sampled_from(["pack", "gather", "lookup", "matmul", "reduce"]))
     inputs = {f"{p}.qweight": words}
     rules = [f'unpack "{p}.qweight" dim {d} bits {bits} order {order} -> "{p}.codes"']
     if kind == "pack":
         rules.append(f'pack "{p}.codes" dim {d} bits {bits} order {order} to i32 -> "{p}.back"')
         return inputs, "\n".join(rules)
     rules.append(f'cast "{p}.codes" to f32')
+    if kind == "reduce":  # a group's scale as quantizers find it, then codes rounded into range
+        groups = [g for g in range(1, unpacked[d] + 1) if unpacked[d] % g == 0]
+        group = draw(st.sampled_from(groups))
+        reduction = draw(st.sampled_from(["amax", "amin", "sum"]))
+        rules.append(f'copy "{p}.codes" -> "{p}.c2"')
+        rules.append(f'{reduction} "{p}.c2" dim {d} group {group} -> "{p}.stat"')
+        rules.append(f'mul "{p}.codes" 0.37')
+        rules.append(f'{draw(st.sampled_from(["round", "floor", "ceil"]))} "{p}.codes"')
+        rules.append(f'clamp "{p}.codes" [-8, 7]')
+        return inputs, "\n".join(rules)
     if kind == "gather":
         rows = unpacked[d]
         zeros = draw(tensor((*unpacked[:d], 3, *unpacked[d + 1 :]), "F32"))

@@ -33,6 +33,7 @@ from weightmap.language.values import Scope, brief
 from weightmap.plan.nodes import (
     Arith,
     Binary,
+    Clamp,
     Gather,
     Lookup,
     Mask,
@@ -40,14 +41,19 @@ from weightmap.plan.nodes import (
     Node,
     Pack,
     Quantize,
+    Reduce,
+    Round,
     Unpack,
 )
 
 __all__ = ["PAIR_OPS", "VALUE_OPS", "binary_node", "build_value", "scale_shape"]
 
+ROUNDING = frozenset({"round", "floor", "ceil"})
+REDUCTIONS = frozenset({"amax", "amin", "sum"})
 VALUE_OPS = frozenset(
-    {"add", "sub", "mul", "quantize", "mask", "matmul", "gather", "lookup", "unpack", "pack"}
-)
+    {"add", "sub", "mul", "quantize", "mask", "matmul", "gather", "lookup", "unpack", "pack",
+     "clamp", *ROUNDING, *REDUCTIONS}
+)  # fmt: skip
 # The rules that always combine two tensors, one per pattern (add/sub/mul may take one).
 PAIR_OPS = frozenset({"matmul", "gather", "lookup"})
 INT_KINDS = ("int", "uint")
@@ -143,7 +149,18 @@ def build_value(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node]
     if rule.op in ("unpack", "pack"):
         emit(output_name(rule, s), _packing(rule, spec, src, s))
         return
+    if rule.op in REDUCTIONS:
+        emit(output_name(rule, s), _reduce(rule, spec, src, s))
+        return
     _float_input(spec)
+    if rule.op in ROUNDING:
+        emit(output_name(rule, s), Round(dtype=spec.dtype, shape=spec.shape, src=src, mode=rule.op))
+        return
+    if rule.op == "clamp":
+        low, high = _bounds(rule, s)
+        emit(output_name(rule, s), Clamp(dtype=spec.dtype, shape=spec.shape, src=src, low=low,
+                                         high=high))  # fmt: skip
+        return
     if rule.op == "quantize":
         values, scales = _quantize(rule, spec, src, s)
         emit(namer(rule.outputs[0])(s), values)
@@ -249,10 +266,12 @@ def _pair(rule: A.Rule, first: Match, second: Match, s: Scope) -> Node:
         d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(a.shape), f"`{a.name}`")
         if a.shape[d] == 0 and b.shape[0]:
             raise RuleProblem(f"`{a.name}` has nothing along dim {d} to gather")
-        shape = (*a.shape[:d], b.shape[0], *a.shape[d + 1 :])
-        return Gather(dtype=a.dtype, shape=shape, src=first.node, index=second.node, dim=d)
+        gathered = (*a.shape[:d], b.shape[0], *a.shape[d + 1 :])
+        return Gather(dtype=a.dtype, shape=gathered, src=first.node, index=second.node, dim=d)
     if len(b.shape) != 1 or not b.shape[0]:
-        raise RuleProblem(f"`{b.name}` is {list(b.shape)}: a lookup table is a non-empty 1-D tensor")
+        raise RuleProblem(
+            f"`{b.name}` is {list(b.shape)}: a lookup table is a non-empty 1-D tensor"
+        )
     return Lookup(dtype=b.dtype, shape=a.shape, codes=first.node, table=second.node)
 
 
@@ -296,3 +315,52 @@ def _packing(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> Node:
 
 
 WORDS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"})
+
+
+def _bounds(rule: A.Rule, s: Scope) -> tuple[int | float, int | float]:
+    """A clamp's ``[low, high]``: two finite numbers, low <= high."""
+    assert rule.value is not None
+    v = evaluate(rule.value, s)
+    ok = isinstance(v, list) and len(v) == 2
+    if not ok or not all(not isinstance(x, bool) and isinstance(x, (int, float)) for x in v):
+        raise RuleProblem(f"clamp takes [low, high], two numbers; got {brief(v)}")
+    low, high = v
+    if not all(math.isfinite(float(x)) for x in v) or low > high:
+        raise RuleProblem(f"clamp bounds [{low}, {high}] must be finite, low <= high")
+    return low, high
+
+
+def _reduce(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> Node:
+    """amax / amin / sum along a dim, whole or by groups."""
+    name = f"`{spec.name}` {list(spec.shape)}"
+    kind = DTYPES[spec.dtype].kind
+    if rule.op == "sum":
+        _float_input(spec)
+    elif kind not in ("float", "int", "uint") or spec.dtype in ("U64", *OPAQUE):
+        raise RuleProblem(f"{name} is {spec.dtype}: {rule.op} reads floats or integers (not U64)")
+    if not spec.shape:
+        raise RuleProblem(f"{name} has no dim to reduce")
+    assert rule.dim is not None
+    d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(spec.shape), name)
+    extent = spec.shape[d]
+    group = 0
+    if rule.group is not None:
+        group = as_int(evaluate(rule.group, s), "group")
+        if group <= 0 or extent % group:
+            raise RuleProblem(
+                f"group {group} must be positive and divide dim {d} of {name} ({extent})"
+            )
+        shape = (*spec.shape[:d], extent // group, *spec.shape[d + 1 :])
+    else:
+        if rule.op != "sum" and extent == 0:
+            raise RuleProblem(f"{name}: the {rule.op} of nothing along dim {d}")
+        shape = (*spec.shape[:d], *spec.shape[d + 1 :])
+    compute = _dtype(rule.compute, "F32", "compute dtype (`in`)", MATMUL_COMPUTE)
+    out = spec.dtype
+    if rule.op == "sum":
+        out = _dtype(rule.to_dtype, spec.dtype, "result dtype (`to`)", FLOAT_CASTS)
+    return Reduce(dtype=out, shape=shape, src=src, op=rule.op, dim=d, group=group,
+                  compute=compute)  # fmt: skip
+
+
+OPAQUE = ("F4", "F6_E2M3", "F6_E3M2")

@@ -192,6 +192,11 @@ _NO_INVERSE = {
     "`pack ... to DTYPE` rule for the inverse yourself (it is exact)",
     "pack": "the codes' dtype before the pack is not in the rule: write the `unpack` (and a "
     "`cast` to that dtype) for the inverse yourself",
+    **dict.fromkeys(
+        ("round", "floor", "ceil", "clamp"),
+        "rounding and clamping forget the values they change",
+    ),
+    **dict.fromkeys(("amax", "amin", "sum"), "a reduction keeps one value of many"),
 }
 
 

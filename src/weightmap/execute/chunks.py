@@ -16,6 +16,7 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
     Gather,
     Lookup,
@@ -25,7 +26,9 @@ from weightmap.plan.nodes import (
     Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
@@ -107,6 +110,17 @@ def region(
             return values.gather(evaluate(node.src, get, where), index, node, where)
         index = evaluate(node.index, get, where)
         return values.gather(sub(node.src, dim, start, stop), index, node, where)
+    if isinstance(node, Round):
+        return values.round_values(sub(node.src, dim, start, stop), node)
+    if isinstance(node, Clamp):
+        return values.clamp(sub(node.src, dim, start, stop), node)
+    if isinstance(node, Reduce):  # the source's region that the region's results reduce
+        if node.group:
+            if dim == node.dim:
+                lo, hi = start * node.group, stop * node.group
+                return values.reduce(sub(node.src, dim, lo, hi), node)
+            return values.reduce(sub(node.src, dim, start, stop), node)
+        return values.reduce(sub(node.src, dim if dim < node.dim else dim + 1, start, stop), node)
     if isinstance(node, Lookup):  # one entry per code: the codes of the region, the whole table
         table = evaluate(node.table, get, where)
         return values.lookup(sub(node.codes, dim, start, stop), table, node, where)
@@ -131,7 +145,9 @@ def _packing_region(
     """Unpack: the words that hold the region's codes; pack: the codes of the region's words."""
     if dim != node.dim:
         src = sub(node.src, dim, start, stop)
-        return values.unpack(src, node) if isinstance(node, Unpack) else values.pack(src, node, where)
+        return (
+            values.unpack(src, node) if isinstance(node, Unpack) else values.pack(src, node, where)
+        )
     per = len(node.order)
     if isinstance(node, Pack):
         return values.pack(sub(node.src, dim, start * per, stop * per), node, where)
@@ -247,7 +263,7 @@ def tree_nodes(node: Node) -> list[Node]:
 # Bytes per element that computing a node holds besides its result: value nodes convert
 # their operands to the compute dtype and keep a product or a quantized copy (float32).
 _WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16, Unpack: 24, Pack: 24, Matmul: 16,
-                  Gather: 8, Lookup: 8}  # fmt: skip
+                  Gather: 8, Lookup: 8, Round: 8, Clamp: 8, Reduce: 8}  # fmt: skip
 
 
 def _working_bytes(n: Node) -> int:
@@ -256,7 +272,7 @@ def _working_bytes(n: Node) -> int:
         # The sum and one product per output element, in the compute dtype (up to 8 bytes
         # each), and a row of ``a`` converted; ``b`` is read whole for every chunk of rows.
         return numel(n.shape) * per + numel(n.a.shape) * 8
-    if isinstance(n, Pack):  # the codes of a word are held as int64 while it is packed
+    if isinstance(n, (Pack, Reduce)):  # the source is held wide (int64, the compute dtype)
         return numel(n.src.shape) * per
     if isinstance(n, Quantize) and n.part == "scales":
         # One scale per block, but each is the largest magnitude of a whole block of the

@@ -18,6 +18,7 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
     Gather,
     Lookup,
@@ -27,7 +28,9 @@ from weightmap.plan.nodes import (
     Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
@@ -77,7 +80,7 @@ def cast(t: torch.Tensor, src: str, dst: str, where: str = "") -> torch.Tensor:
 
 def _whole_range(t: torch.Tensor, src: str, dst: str, where: str) -> tuple[int, int]:
     """The least and greatest value of a float tensor cast to an integer type, which must all
-    be whole numbers: a cast does not round (write `round` or `floor` rules for that)."""
+    be whole numbers: a cast does not round (a `round`, `floor` or `ceil` rule does)."""
     import torch
 
     wide = t.to(torch.float64)  # every float type's values, exactly
@@ -87,6 +90,7 @@ def _whole_range(t: torch.Tensor, src: str, dst: str, where: str) -> tuple[int, 
         bad = float(wide[wide != wide.trunc()][0])
         raise ExecutionError(
             f"{where}: {bad!r} is not a whole number: a cast from {src} to {dst} does not round"
+            " (a `round`, `floor` or `ceil` rule before it does)"
         )
     return int(wide.min()), int(wide.max())
 
@@ -131,6 +135,12 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
     if isinstance(node, Lookup):
         codes, table = evaluate(node.codes, get, where), evaluate(node.table, get, where)
         return values.lookup(codes, table, node, where)
+    if isinstance(node, Round):
+        return values.round_values(evaluate(node.src, get, where), node)
+    if isinstance(node, Clamp):
+        return values.clamp(evaluate(node.src, get, where), node)
+    if isinstance(node, Reduce):
+        return values.reduce(evaluate(node.src, get, where), node)
     if isinstance(node, Reshape):
         src = evaluate(node.src, get, where)
         if node.dtype in OPAQUE_DTYPES:

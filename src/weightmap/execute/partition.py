@@ -31,6 +31,7 @@ from weightmap.inputs.pickles import PickleHeader
 from weightmap.plan.nodes import (
     Arith,
     Binary,
+    Clamp,
     Gather,
     Lookup,
     Mask,
@@ -38,6 +39,8 @@ from weightmap.plan.nodes import (
     Node,
     Pack,
     Quantize,
+    Reduce,
+    Round,
     Unpack,
 )
 from weightmap.plan.plan import Plan
@@ -179,7 +182,8 @@ def _cost(unit: _Unit) -> int:
 
 def _per_byte(node: Node) -> int:
     """The estimated cost of one computed output byte of ``node``."""
-    computes = (Arith, Binary, Quantize, Mask, Matmul, Unpack, Pack, Gather, Lookup)
+    computes = (Arith, Binary, Quantize, Mask, Matmul, Unpack, Pack, Gather, Lookup, Round, Clamp,
+                Reduce)  # fmt: skip
     arith = any(isinstance(n, computes) for n in tree_nodes(node))
     return ARITH_COST if arith else MOVE_COST
 

@@ -19,7 +19,20 @@ from typing import TYPE_CHECKING
 from weightmap.errors import ExecutionError
 from weightmap.execute.nans import convert
 from weightmap.format.dtypes import DTYPES
-from weightmap.plan.nodes import Arith, Binary, Gather, Lookup, Mask, Matmul, Pack, Quantize, Unpack
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Clamp,
+    Gather,
+    Lookup,
+    Mask,
+    Matmul,
+    Pack,
+    Quantize,
+    Reduce,
+    Round,
+    Unpack,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "arith",
     "binary",
+    "clamp",
     "expand_blocks",
     "gather",
     "lookup",
@@ -34,6 +48,8 @@ __all__ = [
     "matmul",
     "pack",
     "quantize",
+    "reduce",
+    "round_values",
     "unpack",
 ]
 
@@ -240,3 +256,53 @@ def lookup(codes: torch.Tensor, table: torch.Tensor, node: Lookup, where: str) -
     """``table[codes]``; a code outside the table is an error."""
     idx = _check_index(codes, table.shape[0], "lookup codes", where)
     return table[idx]
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """A float tensor in float32 (float64 stays): exact, and a dtype torch computes in."""
+    import torch
+
+    return x if x.dtype == torch.float64 else convert(x, torch.float32)
+
+
+def round_values(x: torch.Tensor, node: Round) -> torch.Tensor:
+    """Nearest (ties to even), floor or ceil; the result converts back exactly."""
+    import torch
+
+    how = {"round": torch.round, "floor": torch.floor, "ceil": torch.ceil}[node.mode]
+    return convert(how(_wide(x)), _torch(node.dtype))
+
+
+def clamp(x: torch.Tensor, node: Clamp) -> torch.Tensor:
+    """``x`` within ``[low, high]``; a bound outside the dtype's values rounds once to it."""
+    import torch
+
+    return convert(torch.clamp(_wide(x), node.low, node.high), _torch(node.dtype))
+
+
+def reduce(x: torch.Tensor, node: Reduce) -> torch.Tensor:
+    """amax / amin / sum of ``x`` along ``node.dim``, whole or by groups (``x`` holds whole
+    groups along that dim)."""
+    import torch
+
+    d = node.dim
+    if node.group:
+        shape = (*x.shape[:d], x.shape[d] // node.group, node.group, *x.shape[d + 1 :])
+        x, d = x.reshape(shape), d + 1
+    if node.op == "sum":
+        c = convert(x, _torch(node.compute))
+        if c.shape[d] == 0:
+            out = torch.zeros(_without(c.shape, d), dtype=c.dtype)
+        else:
+            out = c.select(d, 0).clone()
+            for i in range(1, c.shape[d]):  # in order: the bits do not depend on the chunking
+                out.add_(c.select(d, i))
+        return convert(out, _torch(node.dtype))
+    kind = DTYPES[node.dtype].kind
+    wide = x.to(torch.int64) if kind in ("int", "uint") else _wide(x)
+    picked = torch.amax(wide, d) if node.op == "amax" else torch.amin(wide, d)
+    return convert(picked, _torch(node.dtype))
+
+
+def _without(shape: Sequence[int], d: int) -> tuple[int, ...]:
+    return (*shape[:d], *shape[d + 1 :])

@@ -321,6 +321,13 @@ RuleOp = Literal[
     "lookup",
     "unpack",
     "pack",
+    "round",
+    "floor",
+    "ceil",
+    "clamp",
+    "amax",
+    "amin",
+    "sum",
 ]
 
 
@@ -333,7 +340,8 @@ class Rule:
     ``from_dtype``/``to_dtype``: cast (``to_dtype`` also the result of add/mul/quantize);
     ``value``, ``block``, ``compute``: add/sub/mul (``block`` also quantize, ``compute`` also
     matmul); ``size``, ``plus_index``: mask; ``dim`` also gather/unpack/pack, with ``bits`` and
-    ``order`` for unpack/pack.
+    ``order`` for unpack/pack; ``value`` also clamp (``[low, high]``); ``dim``, ``group`` the
+    reductions (amax, amin, sum; ``compute`` and ``to_dtype`` also sum).
     """
 
     op: RuleOp
@@ -356,6 +364,7 @@ class Rule:
     plus_index: bool = False
     bits: Expr | None = None
     order: Expr | None = None
+    group: Expr | None = None
     loc: Loc = field(default=NOWHERE, compare=False)
 
 

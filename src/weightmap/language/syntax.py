@@ -403,8 +403,11 @@ class _Builder:
                 strings.append(x.children[0])
             elif x.data == "from_shape":
                 fields["from_shape"] = self.expr(x.children[0], loc)
-            elif x.data in ("sizes", "dim", "dims", "where", "value", "block", "bits", "order"):
+            elif x.data in ("sizes", "dim", "dims", "where", "value", "block", "bits", "order",
+                            "group"):  # fmt: skip
                 fields[str(x.data)] = self.expr(x.children[0], loc)
+            elif x.data == "reduce_dim":  # a reduction's dim: an arithmetic expression
+                fields["dim"] = self.expr(x.children[0], loc)
             elif x.data in ("compute", "to_dtype"):
                 fields[str(x.data)] = str(x.children[0])
             elif x.data == "plus_index":

@@ -12,6 +12,7 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
     Gather,
     Lookup,
@@ -21,7 +22,9 @@ from weightmap.plan.nodes import (
     Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
@@ -107,6 +110,16 @@ def _op(node: Node) -> str:
         inner, here = _op(node.src), f"gather dim {node.dim} by {_first(node.index)}"
     elif isinstance(node, Lookup):
         inner, here = _op(node.codes), f"lookup in {_first(node.table)} -> {node.dtype}"
+    elif isinstance(node, Round):
+        inner, here = _op(node.src), node.mode
+    elif isinstance(node, Clamp):
+        inner, here = _op(node.src), f"clamp [{node.low}, {node.high}]"
+    elif isinstance(node, Reduce):
+        group = f" group {node.group}" if node.group else ""
+        inner, here = (
+            _op(node.src),
+            f"{node.op} dim {node.dim}{group}" + _to(node.src.dtype, node.dtype),
+        )
     else:
         assert isinstance(node, Cast)
         inner, here = _op(node.src), f"cast {node.src.dtype}->{node.dtype}"

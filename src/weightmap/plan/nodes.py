@@ -17,6 +17,7 @@ __all__ = [
     "Arith",
     "Binary",
     "Cast",
+    "Clamp",
     "Concat",
     "Gather",
     "Lookup",
@@ -26,7 +27,9 @@ __all__ = [
     "Pack",
     "Permute",
     "Quantize",
+    "Reduce",
     "Reshape",
+    "Round",
     "Slice",
     "Source",
     "Stack",
@@ -330,7 +333,7 @@ class Unpack(Node):
         return (self.src,)
 
     def describe(self) -> str:
-        return f"unpack({self.src.describe()}, dim={self.dim}, bits {self.bits}, order {list(self.order)})"
+        return _packing("unpack", self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -348,7 +351,63 @@ class Pack(Node):
         return (self.src,)
 
     def describe(self) -> str:
-        return f"pack({self.src.describe()}, dim={self.dim}, bits {self.bits}, order {list(self.order)})"
+        return _packing("pack", self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Round(Node):
+    """``src`` rounded to whole numbers, in its own float dtype (exact: every whole number
+    near a value of a float type is a value of it): ``mode`` "round" (nearest, ties to
+    even), "floor" or "ceil"."""
+
+    src: Node
+    mode: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"{self.mode}({self.src.describe()})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Clamp(Node):
+    """``src`` limited to ``[low, high]`` (a bound rounded once to the dtype; NaN stays NaN)."""
+
+    src: Node
+    low: int | float
+    high: int | float
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"clamp({self.src.describe()}, {self.low}, {self.high})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reduce(Node):
+    """``op`` ("amax", "amin" or "sum") of ``src`` along ``dim``: over the whole dim (which the
+    result no longer has), or over each run of ``group`` elements (the dim becomes its number
+    of groups). amax/amin are exact (NaN wins); a sum adds the elements in order, each sum
+    rounded in ``compute``, and rounds once to the node's dtype."""
+
+    src: Node
+    op: str
+    dim: int
+    group: int  # 0: the whole dim
+    compute: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        group = f", group {self.group}" if self.group else ""
+        return f"{self.op}({self.src.describe()}, dim={self.dim}{group})"
+
+
+def _packing(word: str, n: Unpack | Pack) -> str:
+    return f"{word}({n.src.describe()}, dim={n.dim}, bits {n.bits}, order {list(n.order)})"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -403,7 +462,7 @@ def int_cast_fits(src: str, dst: str) -> bool:
     if b.kind in _INTS:
         return a.kind not in ("float", "complex")
     if a.kind in _INTS and dst in _FLOAT_MAX:
-        largest = 2**a.bits - 1 if a.kind == "uint" else 2 ** (a.bits - 1)
+        largest: int = 2**a.bits - 1 if a.kind == "uint" else 2 ** (a.bits - 1)
         return largest <= _FLOAT_MAX[dst]
     return True
 
@@ -438,6 +497,13 @@ def node_to_dict(n: Node) -> dict[str, Any]:
         d.update(src=node_to_dict(n.src), index=node_to_dict(n.index), dim=n.dim)
     elif isinstance(n, Lookup):
         d.update(codes=node_to_dict(n.codes), table=node_to_dict(n.table))
+    elif isinstance(n, Round):
+        d.update(src=node_to_dict(n.src), mode=n.mode)
+    elif isinstance(n, Clamp):
+        d.update(src=node_to_dict(n.src), low=n.low, high=n.high)
+    elif isinstance(n, Reduce):
+        d.update(src=node_to_dict(n.src), reduce=n.op, dim=n.dim, group=n.group)
+        d["compute"] = n.compute
     return d
 
 
@@ -478,13 +544,21 @@ def node_from_dict(d: dict[str, Any]) -> Node:
         a, b = node_from_dict(d["a"]), node_from_dict(d["b"])
         return Matmul(dtype=dt, shape=shape, a=a, b=b, compute=d["compute"])
     if op in ("unpack", "pack"):
-        kind = Unpack if op == "unpack" else Pack
-        return kind(dtype=dt, shape=shape, src=node_from_dict(d["src"]), dim=d["dim"],
-                    bits=d["bits"], order=tuple(d["order"]))  # fmt: skip
+        packing: type[Unpack | Pack] = Unpack if op == "unpack" else Pack
+        return packing(dtype=dt, shape=shape, src=node_from_dict(d["src"]), dim=d["dim"],
+                       bits=d["bits"], order=tuple(d["order"]))  # fmt: skip
     if op == "gather":
         src, index = node_from_dict(d["src"]), node_from_dict(d["index"])
         return Gather(dtype=dt, shape=shape, src=src, index=index, dim=d["dim"])
     if op == "lookup":
         codes, table = node_from_dict(d["codes"]), node_from_dict(d["table"])
         return Lookup(dtype=dt, shape=shape, codes=codes, table=table)
+    if op == "round":
+        return Round(dtype=dt, shape=shape, src=node_from_dict(d["src"]), mode=d["mode"])
+    if op == "clamp":
+        src = node_from_dict(d["src"])
+        return Clamp(dtype=dt, shape=shape, src=src, low=d["low"], high=d["high"])
+    if op == "reduce":
+        return Reduce(dtype=dt, shape=shape, src=node_from_dict(d["src"]), op=d["reduce"],
+                      dim=d["dim"], group=d["group"], compute=d["compute"])  # fmt: skip
     raise ValueError(f"unknown plan node {op!r}")
