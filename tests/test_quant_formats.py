@@ -606,3 +606,26 @@ pack "q" dim 0 bits 4 to i32 -> "qweight"
     unclamped = mapping.replace('clamp "q" [-8, 7]\n', "")
     with pytest.raises(ExecutionError, match="do not fit in U8"):
         _run(root, unclamped, chunks=(1 << 20,))
+
+
+def test_gather_and_lookup_move_any_dtype(tmp_path: Path) -> None:
+    """torch has no index_select for uint16..uint64 (found by the generated plans): elements
+    are selected as the integers of their width, whatever the dtype."""
+    gen = torch.Generator().manual_seed(14)
+    u16 = torch.randint(0, 2**16, (3, 4), generator=gen).to(torch.uint16)
+    fp8 = torch.randn(3, 4, generator=gen).to(torch.float8_e4m3fn)
+    table = torch.randint(0, 2**32, (5,), generator=gen).to(torch.uint32)
+    index = torch.tensor([2, 0, 2, 1])
+    codes = torch.tensor([[4, 0], [1, 1]], dtype=torch.uint8)
+    root = _save(tmp_path / "src", {"u16": u16, "fp8": fp8, "table": table, "g": index,
+                                    "codes": codes})  # fmt: skip
+    mapping = """weightmap 1
+copy "g" -> "g2"
+gather "u16", "g" dim 0 -> "a"
+gather "fp8", "g2" dim 1 -> "b"
+lookup "codes", "table" -> "c"
+"""
+    out = _run(root, mapping, chunks=(1 << 20, 5))
+    assert torch.equal(out["a"].view(torch.int16), u16.view(torch.int16)[index])
+    assert torch.equal(_bits(out["b"]), _bits(fp8[:, index]))
+    assert torch.equal(out["c"].view(torch.int32), table.view(torch.int32)[codes.long()])

@@ -246,16 +246,24 @@ def _check_index(index: torch.Tensor, size: int, what: str, where: str) -> torch
     return idx
 
 
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the signed integers of its width: torch selects elements of every
+    dtype that way (it lacks index_select for uint16..uint64 and some float8 types)."""
+    import torch
+
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
+
+
 def gather(src: torch.Tensor, index: torch.Tensor, node: Gather, where: str) -> torch.Tensor:
     """``src.index_select(dim, index)``; an index out of range is an error."""
     idx = _check_index(index, src.shape[node.dim], "gather indexes", where)
-    return src.index_select(node.dim, idx)
+    return _as_bits(src).index_select(node.dim, idx).view(src.dtype)
 
 
 def lookup(codes: torch.Tensor, table: torch.Tensor, node: Lookup, where: str) -> torch.Tensor:
     """``table[codes]``; a code outside the table is an error."""
     idx = _check_index(codes, table.shape[0], "lookup codes", where)
-    return table[idx]
+    return _as_bits(table)[idx].view(table.dtype)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
