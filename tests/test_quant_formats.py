@@ -629,3 +629,25 @@ lookup "codes", "table" -> "c"
     assert torch.equal(out["a"].view(torch.int16), u16.view(torch.int16)[index])
     assert torch.equal(_bits(out["b"]), _bits(fp8[:, index]))
     assert torch.equal(out["c"].view(torch.int32), table.view(torch.int32)[codes.long()])
+
+
+def test_gptq_and_awq_presets_from_the_command_line(tmp_path: Path) -> None:
+    from weightmap import cli
+
+    tensors = _gptq_checkpoint(tmp_path / "gptq", desc_act=True)
+    code = cli.main(["convert", str(tmp_path / "gptq"), str(tmp_path / "gptq-out"), "--preset",
+                     "gptq-dequant", "--set", "target=f16", "--quiet", "--verify"])  # fmt: skip
+    assert code == 0
+    out = load_file(tmp_path / "gptq-out" / "model.safetensors")
+    for name, t in _expect_gptq(tensors, 4).items():
+        assert torch.equal(out[name], t.to(out[name].dtype)), name
+    assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.float16
+    awq = _awq_checkpoint(tmp_path / "awq")
+    code = cli.main(["convert", str(tmp_path / "awq"), str(tmp_path / "awq-out"), "--preset",
+                     "awq-dequant", "--quiet"])  # fmt: skip
+    assert code == 0
+    out = load_file(tmp_path / "awq-out" / "model.safetensors")
+    base = "model.layers.0.mlp.up_proj"
+    ref = dequantize_gemm(awq[f"{base}.qweight"], awq[f"{base}.qzeros"], awq[f"{base}.scales"],
+                          4, 32).T  # fmt: skip
+    assert torch.equal(out[f"{base}.weight"], ref)
