@@ -261,6 +261,10 @@ def test_awq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     with pytest.raises(MappingError, match="not a 4-bit AWQ checkpoint"):
         weightmap.compile(tmp_path / "src", preset="awq-dequant")
+    config["quantization_config"].update(bits=4, zero_point=False)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MappingError, match="AWQ without zero points"):
+        weightmap.compile(tmp_path / "src", preset="awq-dequant")
 
 
 # ---------------------------------------------------------------- the primitives
