@@ -40,14 +40,22 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
+    Gather,
+    Lookup,
+    Matmul,
     Node,
+    Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
+    Unpack,
 )
 
 # ---- language programs ---------------------------------------------------------------------------
@@ -143,7 +151,23 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
     for _ in range(draw(st.integers(0, depth))):
         op = draw(
             st.sampled_from(
-                ["slice", "concat", "stack", "permute", "reshape", "cast", "arith", "quantize"]
+                [
+                    "slice",
+                    "concat",
+                    "stack",
+                    "permute",
+                    "reshape",
+                    "cast",
+                    "arith",
+                    "quantize",
+                    "unpack",
+                    "pack",
+                    "gather",
+                    "lookup",
+                    "matmul",
+                    "round",
+                    "reduce",
+                ]
             )
         )
         rank = len(node.shape)
@@ -190,12 +214,16 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
                     for d in INTS
                     if DTYPES[d].kind == kind and DTYPES[d].bits >= DTYPES[node.dtype].bits
                 ]
-                target = draw(st.sampled_from([*wider, "F64"]))
+                # Every integer fits F32 and F64 (rounding aside); bytes fit F16.
+                floats = ["F64", "F32"] + (["F16"] if DTYPES[node.dtype].bits == 8 else [])
+                target = draw(st.sampled_from([*wider, *floats]))
             else:
                 target = draw(st.sampled_from(["U8", "F32"]))
             node = Cast(src=node, dtype=target, shape=node.shape)
         elif op == "arith" and floating:
             node = _arith(draw, node)
+        elif op in ("unpack", "pack", "gather", "lookup", "matmul", "round", "reduce"):
+            node = _quant_node(draw, op, node)
         elif op == "quantize" and floating and rank >= 2 and all(node.shape):
             block = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
             fp8 = draw(st.sampled_from(["F8_E4M3", "F8_E5M2"]))
@@ -207,6 +235,83 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
                         -(-node.shape[-1] // block[1]))  # fmt: skip
                 node = Quantize(src=node, block=block, part="scales", fp8=fp8, dtype="F32",
                                 shape=grid)  # fmt: skip
+    return node
+
+
+# A fixed input of the generated cases: bytes whose bits, unpacked one by one, are the 0/1
+# indexes of gathers and the codes of lookups (always in range).
+CODES = Source(name="codes", dtype="U8", shape=(3,))
+
+
+def _codes(bits: int) -> Unpack:
+    per = 8 // bits
+    return Unpack(src=CODES, dim=0, bits=bits, order=tuple(range(per)), dtype="U8",
+                  shape=(3 * per,))  # fmt: skip
+
+
+def _quant_node(draw: st.DrawFn, op: str, node: Node) -> Node:
+    """The quantized formats' primitives, where the node's dtype and shape allow them."""
+    rank, info = len(node.shape), DTYPES[node.dtype]
+    if op == "unpack" and rank and info.kind in ("int", "uint"):
+        bits = draw(st.sampled_from([b for b in (1, 2, 4, 8, 16) if b < info.bits]))
+        per = info.bits // bits
+        dim = draw(st.integers(0, rank - 1))
+        order = tuple(draw(st.permutations(range(per))))
+        shape = (*node.shape[:dim], node.shape[dim] * per, *node.shape[dim + 1 :])
+        return Unpack(src=node, dim=dim, bits=bits, order=order,
+                      dtype="U8" if bits <= 8 else "U16", shape=shape)  # fmt: skip
+    if op == "pack" and rank and node.dtype in ("U8", "U16"):
+        bits = 8 if node.dtype == "U8" else 16  # every code of the dtype fits
+        words = [w for w in INTS if DTYPES[w].bits > bits]
+        word = draw(st.sampled_from(words))
+        per = DTYPES[word].bits // bits
+        dims = [d for d in range(rank) if node.shape[d] % per == 0]
+        if dims:
+            dim = draw(st.sampled_from(dims))
+            order = tuple(draw(st.permutations(range(per))))
+            shape = (*node.shape[:dim], node.shape[dim] // per, *node.shape[dim + 1 :])
+            return Pack(src=node, dim=dim, bits=bits, order=order, dtype=word, shape=shape)
+    if op == "gather" and rank:
+        dims = [d for d in range(rank) if node.shape[d] >= 2]
+        if dims:
+            dim = draw(st.sampled_from(dims))
+            index = _codes(1)
+            shape = (*node.shape[:dim], index.shape[0], *node.shape[dim + 1 :])
+            return Gather(src=node, index=index, dim=dim, dtype=node.dtype, shape=shape)
+    if op == "lookup" and info.kind != "bool":
+        bits = draw(st.sampled_from([1, 2]))
+        if numel(node.shape) >= 1 << bits:
+            table = Reshape(src=node, dtype=node.dtype, shape=(numel(node.shape),))
+            codes = _codes(bits)
+            return Lookup(codes=codes, table=table, dtype=node.dtype, shape=codes.shape)
+    if op == "round" and node.dtype in FLOATS:
+        mode = draw(st.sampled_from(["round", "floor", "ceil", "clamp"]))
+        if mode == "clamp":
+            return Clamp(src=node, low=-1.5, high=draw(st.sampled_from([0, 2.25, 1e6])),
+                         dtype=node.dtype, shape=node.shape)  # fmt: skip
+        return Round(src=node, mode=mode, dtype=node.dtype, shape=node.shape)
+    if op == "reduce" and rank and (node.dtype in FLOATS or node.dtype in INTS[:7]):
+        reduction = draw(st.sampled_from(["amax", "amin", "sum"]))
+        dim = draw(st.integers(0, rank - 1))
+        extent = node.shape[dim]
+        if reduction == "sum" and node.dtype not in FLOATS:
+            return node
+        groups = [g for g in range(1, extent + 1) if extent % g == 0]
+        group = draw(st.sampled_from([0, *groups])) if groups else 0
+        if not group and not extent and reduction != "sum":
+            return node
+        size = [extent // group] if group else []
+        shape = (*node.shape[:dim], *size, *node.shape[dim + 1 :])
+        out = draw(st.sampled_from(FLOATS)) if reduction == "sum" else node.dtype
+        compute = draw(st.sampled_from(["F32", "F64"]))
+        return Reduce(src=node, op=reduction, dim=dim, group=group, compute=compute,
+                      dtype=out, shape=shape)  # fmt: skip
+    if op == "matmul" and rank == 2 and node.dtype in FLOATS:
+        b = Permute(src=node, perm=(1, 0), dtype=node.dtype, shape=node.shape[::-1])
+        compute = draw(st.sampled_from(["F32", "F64"]))
+        out = draw(st.sampled_from(FLOATS))
+        return Matmul(a=node, b=b, compute=compute, dtype=out,
+                      shape=(node.shape[0], node.shape[0]))  # fmt: skip
     return node
 
 
@@ -225,6 +330,8 @@ def _arith(draw: st.DrawFn, node: Node) -> Node:
 def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
     """Input tensors ``in{i}`` and output nodes ``out.{j}`` computed from them."""
     inputs = {f"in{i}": draw(tensors(f"in{i}")) for i in range(draw(st.integers(1, 3)))}
+    inputs[CODES.name] = torch.tensor(draw(st.lists(st.integers(0, 255), min_size=3, max_size=3)),
+                                      dtype=torch.uint8)  # fmt: skip
     outputs: dict[str, Node] = {}
     for j in range(draw(st.integers(1, 4))):
         name = draw(st.sampled_from(sorted(inputs)))
@@ -837,10 +944,13 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
                 "permute",
                 "reshape",
                 "cast",
+                "packed",
             ]
         )
     )
     d = draw(st.integers(0, len(shape) - 1))
+    if op == "packed":
+        return _packed_block(draw, p, shape)
     if op == "rename":
         t = draw(tensor(shape, code))
         return {
@@ -896,6 +1006,55 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
     else:
         target = "i64"
     return {f"{p}.x": draw(tensor(shape, code))}, f'cast "{p}.x" to {target} -> "{p}.y"'
+
+
+def _packed_block(
+    draw: st.DrawFn, p: str, shape: tuple[int, ...]
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The quantized formats' rules, chained as a dequantization chains them: codes unpacked
+    from int32 words (in a drawn order, along a drawn dim, and packed back), cast to float,
+    minus a gathered zero point, a table lookup, a matrix product."""
+    d = draw(st.integers(0, len(shape) - 1))
+    bits = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    per = 32 // bits
+    order = list(draw(st.permutations(range(per))))
+    words = draw(tensor(shape, "I32"))
+    unpacked = (*shape[:d], shape[d] * per, *shape[d + 1 :])
+    kind = draw(st.sampled_from(["pack", "gather", "lookup", "matmul", "reduce"]))
+    inputs = {f"{p}.qweight": words}
+    rules = [f'unpack "{p}.qweight" dim {d} bits {bits} order {order} -> "{p}.codes"']
+    if kind == "pack":
+        rules.append(f'pack "{p}.codes" dim {d} bits {bits} order {order} to i32 -> "{p}.back"')
+        return inputs, "\n".join(rules)
+    rules.append(f'cast "{p}.codes" to f32')
+    if kind == "reduce":  # a group's scale as quantizers find it, then codes rounded into range
+        groups = [g for g in range(1, unpacked[d] + 1) if unpacked[d] % g == 0]
+        group = draw(st.sampled_from(groups))
+        reduction = draw(st.sampled_from(["amax", "amin", "sum"]))
+        rules.append(f'copy "{p}.codes" -> "{p}.c2"')
+        rules.append(f'{reduction} "{p}.c2" dim {d} group {group} -> "{p}.stat"')
+        rules.append(f'mul "{p}.codes" 0.37')
+        rules.append(f'{draw(st.sampled_from(["round", "floor", "ceil"]))} "{p}.codes"')
+        rules.append(f'clamp "{p}.codes" [-8, 7]')
+        return inputs, "\n".join(rules)
+    if kind == "gather":
+        rows = unpacked[d]
+        zeros = draw(tensor((*unpacked[:d], 3, *unpacked[d + 1 :]), "F32"))
+        index = torch.tensor(draw(st.lists(st.integers(0, 2), min_size=rows, max_size=rows)))
+        inputs.update({f"{p}.zeros": zeros, f"{p}.g_idx": index})
+        rules.append(f'gather "{p}.zeros", "{p}.g_idx" dim {d} -> "{p}.zg"')
+        rules.append(f'sub "{p}.codes", "{p}.zg" -> "{p}.dq"')
+    elif kind == "lookup":  # the codes as they are (U8 or U16): one table entry per code
+        rules.pop()
+        inputs[f"{p}.table"] = draw(tensor((1 << bits,), "BF16"))
+        rules.append(f'lookup "{p}.codes", "{p}.table" -> "{p}.values"')
+    else:
+        flat = numel(unpacked)
+        rules.append(f'reshape "{p}.codes" to [{flat // unpacked[-1]}, {unpacked[-1]}]')
+        inputs[f"{p}.b"] = draw(tensor((unpacked[-1], draw(st.integers(1, 3))), "F16"))
+        compute = draw(st.sampled_from(["", " in f64"]))
+        rules.append(f'matmul "{p}.codes", "{p}.b"{compute} to bf16 -> "{p}.product"')
+    return inputs, "\n".join(rules)
 
 
 def _chain(draw: st.DrawFn, p: str) -> list[str]:

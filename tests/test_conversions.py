@@ -379,6 +379,8 @@ def test_every_example_is_tested() -> None:
         "transpose-then-cast",
         "untie-embeddings",
         "llama3-config",
+        "gptq-dequant",  # tests/test_quant_formats.py
+        "awq-dequant",  # tests/test_quant_formats.py
     }
     assert set(dict(EXAMPLE.findall(LANGUAGE_DOC.read_text()))) == tested
 

@@ -393,3 +393,18 @@ def test_progress_without_its_actor(tmp_path: Path) -> None:
     with Checkpoint.open(tmp_path) as ckpt:
         execute_on_ray(plan, ckpt, tmp_path / "again", task_cost=8192, progress=seen.append)
     assert sum(seen) == sum(s.nbytes for s in plan.output_specs())
+
+
+def test_gptq_dequant_on_ray_gives_the_local_bytes(tmp_path: Path) -> None:
+    """The quantized formats' nodes (unpack, gather, sub, mul, transpose) run in Ray tasks as
+    locally: a GPTQ act-order checkpoint dequantized in row ranges that cut packed words."""
+    from test_quant_formats import _expect_gptq, _gptq_checkpoint
+
+    tensors = _gptq_checkpoint(tmp_path / "src", desc_act=True)
+    plan = weightmap.compile(tmp_path / "src", preset="gptq-dequant")
+    local, remote = local_and_ray(tmp_path / "src", plan, chunk_bytes=300, task_cost=64)
+    assert folder_bytes(tmp_path / "src" / "ray") == folder_bytes(tmp_path / "src" / "local")
+    assert remote == local
+    with Checkpoint.open(tmp_path / "src" / "ray") as out:
+        for name, t in _expect_gptq(tensors, 4).items():
+            assert torch.equal(out.view(name), t), name

@@ -1,9 +1,12 @@
-"""Value rules: arithmetic with constants and with other tensors, fp8 blocks, masks.
+"""Value rules: arithmetic with constants and with other tensors, fp8 blocks, masks, the
+matrix product, and the primitives of quantized formats (packed codes, gathers, tables).
 
 Every check that can be made on names, dtypes and shapes is made here, before a byte is
-read: float dtypes only (integers and booleans are never silently converted), a compute dtype
-that torch computes in, block sizes that fit, a scale tensor whose shape is the block grid of
-its weight (``ceil`` of each dim over the block), two outputs for a quantization.
+read: float dtypes only for arithmetic (integers and booleans are never silently converted: a
+`cast` says so), a compute dtype that torch computes in, block sizes that fit, a scale tensor
+whose shape is the block grid of its weight (``ceil`` of each dim over the block), two outputs
+for a quantization, integer words that hold whole codes, index tensors of an integer dtype.
+What only the data shows (an index out of range, a code too wide for its field) stops the run.
 """
 
 from __future__ import annotations
@@ -20,17 +23,42 @@ from weightmap.compiler.ops import (
     as_ints,
     evaluate,
     namer,
+    norm_dim,
     output_name,
 )
 from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.language import ast as A
 from weightmap.language.expr import resolve_dtype
 from weightmap.language.values import Scope, brief
-from weightmap.plan.nodes import Arith, Binary, Mask, Node, Quantize
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Clamp,
+    Gather,
+    Lookup,
+    Mask,
+    Matmul,
+    Node,
+    Pack,
+    Quantize,
+    Reduce,
+    Round,
+    Unpack,
+)
 
-__all__ = ["VALUE_OPS", "binary_node", "build_value", "scale_shape"]
+__all__ = ["PAIR_OPS", "VALUE_OPS", "binary_node", "build_value", "scale_shape"]
 
-VALUE_OPS = frozenset({"add", "mul", "quantize", "mask"})
+ROUNDING = frozenset({"round", "floor", "ceil"})
+REDUCTIONS = frozenset({"amax", "amin", "sum"})
+VALUE_OPS = frozenset(
+    {"add", "sub", "mul", "quantize", "mask", "matmul", "gather", "lookup", "unpack", "pack",
+     "clamp", *ROUNDING, *REDUCTIONS}
+)  # fmt: skip
+# The rules that always combine two tensors, one per pattern (add/sub/mul may take one).
+PAIR_OPS = frozenset({"matmul", "gather", "lookup"})
+INT_KINDS = ("int", "uint")
+# Code widths a word splits into: each divides every integer width.
+CODE_BITS = (1, 2, 4, 8, 16)
 # The dtypes arithmetic runs in: torch computes in these (float8 only stores).
 COMPUTE_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
@@ -113,7 +141,26 @@ def build_value(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node]
     if rule.op == "mask":
         emit(output_name(rule, s), _mask(rule, spec, src, s))
         return
+    if rule.op in PAIR_OPS:
+        raise RuleProblem(
+            f"`{rule.op}` takes two tensors, one per pattern "
+            f'(`{rule.op} "{rule.patterns[0].text}", "..."`)'
+        )
+    if rule.op in ("unpack", "pack"):
+        emit(output_name(rule, s), _packing(rule, spec, src, s))
+        return
+    if rule.op in REDUCTIONS:
+        emit(output_name(rule, s), _reduce(rule, spec, src, s))
+        return
     _float_input(spec)
+    if rule.op in ROUNDING:
+        emit(output_name(rule, s), Round(dtype=spec.dtype, shape=spec.shape, src=src, mode=rule.op))
+        return
+    if rule.op == "clamp":
+        low, high = _bounds(rule, s)
+        emit(output_name(rule, s), Clamp(dtype=spec.dtype, shape=spec.shape, src=src, low=low,
+                                         high=high))  # fmt: skip
+        return
     if rule.op == "quantize":
         values, scales = _quantize(rule, spec, src, s)
         emit(namer(rule.outputs[0])(s), values)
@@ -134,9 +181,13 @@ def build_value(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node]
 
 
 def binary_node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:
-    """add/mul of two tensors (one group: the first pattern's tensor, then the second's)."""
+    """add/sub/mul, matmul, gather or lookup of two tensors (one group: the first pattern's
+    tensor, then the second's)."""
     if len(ordered) != 2:
         raise RuleProblem(f"`{rule.op}` combines two tensors, one per pattern; got {len(ordered)}")
+    if rule.op in PAIR_OPS:
+        s = Scope(scope.params, scope.config, caps)
+        return _pair(rule, ordered[0], ordered[1], s)
     if rule.value is not None:
         raise RuleProblem(f"`{rule.op}` of two tensors takes no value")
     a, b = (m.spec for m in ordered)
@@ -183,3 +234,133 @@ def _mask(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> Node:
     if size <= 0:
         raise RuleProblem(f"mask size must be positive, got {size}")
     return Mask(dtype="BOOL", shape=(size,), src=src, size=size, plus_index=rule.plus_index)
+
+
+def _pair(rule: A.Rule, first: Match, second: Match, s: Scope) -> Node:
+    """matmul ``a @ b``; gather ``src`` by ``index``; lookup ``codes`` in ``table``."""
+    a, b = first.spec, second.spec
+    if rule.op == "matmul":
+        for x in (a, b):
+            _float_input(x)
+            if len(x.shape) != 2:
+                raise RuleProblem(f"`{x.name}` is {list(x.shape)}: matmul multiplies 2-D tensors")
+        if a.shape[1] != b.shape[0]:
+            raise RuleProblem(
+                f"`{a.name}` {list(a.shape)} @ `{b.name}` {list(b.shape)}: the columns of the "
+                "first must match the rows of the second (transpose one first?)"
+            )
+        compute = _dtype(rule.compute, "F32", "compute dtype (`in`)", MATMUL_COMPUTE)
+        out = _dtype(rule.to_dtype, a.dtype, "result dtype (`to`)", FLOAT_CASTS)
+        shape = (a.shape[0], b.shape[1])
+        return Matmul(dtype=out, shape=shape, a=first.node, b=second.node, compute=compute)
+    index = b if rule.op == "gather" else a
+    if DTYPES[index.dtype].kind not in INT_KINDS:
+        role = "index" if rule.op == "gather" else "codes"
+        raise RuleProblem(
+            f"`{index.name}` is {index.dtype}: the {role} of a {rule.op} must be an integer tensor"
+        )
+    if rule.op == "gather":
+        if len(b.shape) != 1:
+            raise RuleProblem(f"`{b.name}` is {list(b.shape)}: a gather's index is 1-D")
+        assert rule.dim is not None
+        d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(a.shape), f"`{a.name}`")
+        if a.shape[d] == 0 and b.shape[0]:
+            raise RuleProblem(f"`{a.name}` has nothing along dim {d} to gather")
+        gathered = (*a.shape[:d], b.shape[0], *a.shape[d + 1 :])
+        return Gather(dtype=a.dtype, shape=gathered, src=first.node, index=second.node, dim=d)
+    if len(b.shape) != 1 or not b.shape[0]:
+        raise RuleProblem(
+            f"`{b.name}` is {list(b.shape)}: a lookup table is a non-empty 1-D tensor"
+        )
+    return Lookup(dtype=b.dtype, shape=a.shape, codes=first.node, table=second.node)
+
+
+MATMUL_COMPUTE = frozenset({"F32", "F64"})
+
+
+def _packing(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> Node:
+    """unpack: words -> codes along ``dim``; pack: codes -> words."""
+    unpack = rule.op == "unpack"
+    assert rule.dim is not None and rule.bits is not None
+    d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(spec.shape), f"`{spec.name}`")
+    bits = as_int(evaluate(rule.bits, s), "bits")
+    if bits not in CODE_BITS:
+        raise RuleProblem(f"bits must be one of {', '.join(map(str, CODE_BITS))}, got {bits}")
+    if DTYPES[spec.dtype].kind not in INT_KINDS:
+        what = "integer words" if unpack else "integer codes (cast them first)"
+        raise RuleProblem(f"`{spec.name}` is {spec.dtype}: {rule.op} reads {what}")
+    word = spec.dtype if unpack else _dtype(rule.to_dtype, "I32", "word dtype (`to`)", WORDS)
+    width = DTYPES[word].bits
+    if bits >= width:
+        raise RuleProblem(f"{bits}-bit codes need a word wider than {word}'s {width} bits")
+    per = width // bits
+    order = list(range(per))
+    if rule.order is not None:
+        order = as_ints(evaluate(rule.order, s), "order")
+        if sorted(order) != list(range(per)):
+            raise RuleProblem(
+                f"order {order} must list each of the {per} fields of a {width}-bit word "
+                f"once (0 to {per - 1}; 0 is the least significant)"
+            )
+    if unpack:
+        shape = (*spec.shape[:d], spec.shape[d] * per, *spec.shape[d + 1 :])
+        out = "U8" if bits <= 8 else "U16"
+        return Unpack(dtype=out, shape=shape, src=src, dim=d, bits=bits, order=tuple(order))
+    if spec.shape[d] % per:
+        raise RuleProblem(
+            f"`{spec.name}` {list(spec.shape)}: dim {d} must hold whole words of {per} codes"
+        )
+    shape = (*spec.shape[:d], spec.shape[d] // per, *spec.shape[d + 1 :])
+    return Pack(dtype=word, shape=shape, src=src, dim=d, bits=bits, order=tuple(order))
+
+
+WORDS = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"})
+
+
+def _bounds(rule: A.Rule, s: Scope) -> tuple[int | float, int | float]:
+    """A clamp's ``[low, high]``: two finite numbers, low <= high."""
+    assert rule.value is not None
+    v = evaluate(rule.value, s)
+    ok = isinstance(v, list) and len(v) == 2
+    if not ok or not all(not isinstance(x, bool) and isinstance(x, (int, float)) for x in v):
+        raise RuleProblem(f"clamp takes [low, high], two numbers; got {brief(v)}")
+    low, high = v
+    if not all(math.isfinite(float(x)) for x in v) or low > high:
+        raise RuleProblem(f"clamp bounds [{low}, {high}] must be finite, low <= high")
+    return low, high
+
+
+def _reduce(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> Node:
+    """amax / amin / sum along a dim, whole or by groups."""
+    name = f"`{spec.name}` {list(spec.shape)}"
+    kind = DTYPES[spec.dtype].kind
+    if rule.op == "sum":
+        _float_input(spec)
+    elif kind not in ("float", "int", "uint") or spec.dtype in ("U64", *OPAQUE):
+        raise RuleProblem(f"{name} is {spec.dtype}: {rule.op} reads floats or integers (not U64)")
+    if not spec.shape:
+        raise RuleProblem(f"{name} has no dim to reduce")
+    assert rule.dim is not None
+    d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(spec.shape), name)
+    extent = spec.shape[d]
+    group = 0
+    if rule.group is not None:
+        group = as_int(evaluate(rule.group, s), "group")
+        if group <= 0 or extent % group:
+            raise RuleProblem(
+                f"group {group} must be positive and divide dim {d} of {name} ({extent})"
+            )
+        shape = (*spec.shape[:d], extent // group, *spec.shape[d + 1 :])
+    else:
+        if rule.op != "sum" and extent == 0:
+            raise RuleProblem(f"{name}: the {rule.op} of nothing along dim {d}")
+        shape = (*spec.shape[:d], *spec.shape[d + 1 :])
+    compute = _dtype(rule.compute, "F32", "compute dtype (`in`)", MATMUL_COMPUTE)
+    out = spec.dtype
+    if rule.op == "sum":
+        out = _dtype(rule.to_dtype, spec.dtype, "result dtype (`to`)", FLOAT_CASTS)
+    return Reduce(dtype=out, shape=shape, src=src, op=rule.op, dim=d, group=group,
+                  compute=compute)  # fmt: skip
+
+
+OPAQUE = ("F4", "F6_E2M3", "F6_E3M2")

@@ -308,7 +308,7 @@ def run_rules(
             ws.pass_on_all(taken, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
-        if rule.op in ("merge", "stack") or (rule.op in ("add", "mul") and len(rule.patterns) > 1):
+        if rule.op in ("merge", "stack") or (rule.op in VALUE_OPS and len(rule.patterns) > 1):
             step.group(taken)
         elif rule.op in ("keep", "rename"):
             step.renames(taken, c.problems)

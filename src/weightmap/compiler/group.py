@@ -276,7 +276,7 @@ def _listing(specs: Sequence[TensorSpec]) -> str:
 
 
 def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]) -> Node:
-    if rule.op in ("add", "mul"):
+    if rule.op not in ("merge", "stack"):  # add/sub/mul, matmul, gather, lookup
         return binary_node(rule, ordered, scope, caps)
     # By C calls where they can be: a stack takes every expert of a layer (hundreds).
     specs = list(map(_SPEC, ordered))

@@ -181,11 +181,32 @@ def _const(e: A.Expr | None) -> Any:
     raise _Refuse("dims must be written as constants to invert")
 
 
+# Why each primitive of quantized formats has no inverse here.
+_NO_INVERSE = {
+    "matmul": "a matrix product cannot be factored back into its operands",
+    "gather": "a gather repeats or leaves out slices of its source: the source and the "
+    "index cannot be told back from the result (a dequantization's scales by g_idx)",
+    "lookup": "a table lookup cannot be read back into codes: entries may repeat, and the "
+    "table itself is not in the result",
+    "unpack": "unpacking does not say the words' dtype, which a pack back needs: write the "
+    "`pack ... to DTYPE` rule for the inverse yourself (it is exact)",
+    "pack": "the codes' dtype before the pack is not in the rule: write the `unpack` (and a "
+    "`cast` to that dtype) for the inverse yourself",
+    **dict.fromkeys(
+        ("round", "floor", "ceil", "clamp"),
+        "rounding and clamping forget the values they change",
+    ),
+    **dict.fromkeys(("amax", "amin", "sum"), "a reduction keeps one value of many"),
+}
+
+
 def _invert_rule(r: A.Rule) -> A.Rule:
     op, caps = r.op, {c.name: c for p in r.patterns for c in p.captures}
     if op == "drop":
         raise _Refuse("dropped tensors cannot be brought back")
-    if op in ("add", "mul"):
+    if op in _NO_INVERSE:
+        raise _Refuse(_NO_INVERSE[op])
+    if op in ("add", "sub", "mul"):
         raise _Refuse(
             "arithmetic rounds to its result dtype: undoing it would give values that differ in "
             "the last bits, so no inverse is claimed (fp8 dequantization: the fp8-quant preset "

@@ -97,11 +97,14 @@ def check_cast(src: str, dst: str) -> str | None:
     """Why ``src`` cannot be cast to ``dst``, or None if it can."""
     if src == dst or (src in FLOAT_CASTS and dst in FLOAT_CASTS):
         return None
-    if src in INT_CASTS and dst in INT_CASTS:
+    if src in INT_CASTS | FLOAT_CASTS and dst in INT_CASTS | FLOAT_CASTS:
+        # Integer <-> float too: a float cast to an integer must hold whole numbers in range
+        # (checked as the data is read), so a quantized format's codes and their arithmetic
+        # in float meet explicitly, never by a silent conversion.
         return None
     return (
         f"cannot cast {src} to {dst}: casts go between the float types "
-        f"({', '.join(sorted(FLOAT_CASTS))}) or between the integer types"
+        f"({', '.join(sorted(FLOAT_CASTS))}) and the integer types"
     )
 
 

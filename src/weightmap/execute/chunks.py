@@ -16,15 +16,23 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
+    Gather,
+    Lookup,
     Mask,
+    Matmul,
     Node,
+    Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
+    Unpack,
 )
 
 if TYPE_CHECKING:
@@ -92,7 +100,60 @@ def region(
         # Positions can land anywhere in the output: the (small) source is read whole.
         out = values.mask(evaluate(node.src, get, where), node, where)
         return out.narrow(dim, start, stop - start)
+    if isinstance(node, Matmul):
+        return _matmul_region(node, dim, start, stop, sub)
+    if isinstance(node, (Unpack, Pack)):
+        return _packing_region(node, dim, start, stop, sub, where)
+    if isinstance(node, Gather):
+        if dim == node.dim:  # the indexes of the region; the (small) source whole along dim
+            index = sub(node.index, 0, start, stop)
+            return values.gather(evaluate(node.src, get, where), index, node, where)
+        index = evaluate(node.index, get, where)
+        return values.gather(sub(node.src, dim, start, stop), index, node, where)
+    if isinstance(node, Round):
+        return values.round_values(sub(node.src, dim, start, stop), node)
+    if isinstance(node, Clamp):
+        return values.clamp(sub(node.src, dim, start, stop), node)
+    if isinstance(node, Reduce):  # the source's region that the region's results reduce
+        if node.group:
+            if dim == node.dim:
+                lo, hi = start * node.group, stop * node.group
+                return values.reduce(sub(node.src, dim, lo, hi), node)
+            return values.reduce(sub(node.src, dim, start, stop), node)
+        return values.reduce(sub(node.src, dim if dim < node.dim else dim + 1, start, stop), node)
+    if isinstance(node, Lookup):  # one entry per code: the codes of the region, the whole table
+        table = evaluate(node.table, get, where)
+        return values.lookup(sub(node.codes, dim, start, stop), table, node, where)
     raise TypeError(f"unknown plan node {type(node).__name__}")
+
+
+Sub = Callable[[Node, int, int, int], "torch.Tensor"]
+
+
+def _matmul_region(node: Matmul, dim: int, start: int, stop: int, sub: Sub) -> torch.Tensor:
+    """Rows of ``a`` with the whole of ``b``, or the whole of ``a`` with columns of ``b``: each
+    element of the product is computed alone (``values.matmul``), so any region will do."""
+    m, n = node.shape
+    if dim == 0:
+        return values.matmul(sub(node.a, 0, start, stop), sub(node.b, 1, 0, n), node)
+    return values.matmul(sub(node.a, 0, 0, m), sub(node.b, 1, start, stop), node)
+
+
+def _packing_region(
+    node: Unpack | Pack, dim: int, start: int, stop: int, sub: Sub, where: str
+) -> torch.Tensor:
+    """Unpack: the words that hold the region's codes; pack: the codes of the region's words."""
+    if dim != node.dim:
+        src = sub(node.src, dim, start, stop)
+        return (
+            values.unpack(src, node) if isinstance(node, Unpack) else values.pack(src, node, where)
+        )
+    per = len(node.order)
+    if isinstance(node, Pack):
+        return values.pack(sub(node.src, dim, start * per, stop * per), node, where)
+    lo, hi = start // per, -(-stop // per)
+    out = values.unpack(sub(node.src, dim, lo, hi), node)
+    return out.narrow(dim, start - lo * per, stop - start)
 
 
 def _block_dim(shape: tuple[int, ...], block: tuple[int, ...], dim: int) -> int | None:
@@ -201,11 +262,18 @@ def tree_nodes(node: Node) -> list[Node]:
 
 # Bytes per element that computing a node holds besides its result: value nodes convert
 # their operands to the compute dtype and keep a product or a quantized copy (float32).
-_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16}
+_WORKING_BYTES = {Arith: 8, Binary: 16, Quantize: 16, Unpack: 24, Pack: 24, Matmul: 16,
+                  Gather: 8, Lookup: 8, Round: 8, Clamp: 8, Reduce: 8}  # fmt: skip
 
 
 def _working_bytes(n: Node) -> int:
     per = _WORKING_BYTES.get(type(n), 0)
+    if isinstance(n, Matmul):
+        # The sum and one product per output element, in the compute dtype (up to 8 bytes
+        # each), and a row of ``a`` converted; ``b`` is read whole for every chunk of rows.
+        return numel(n.shape) * per + numel(n.a.shape) * 8
+    if isinstance(n, (Pack, Reduce)):  # the source is held wide (int64, the compute dtype)
+        return numel(n.src.shape) * per
     if isinstance(n, Quantize) and n.part == "scales":
         # One scale per block, but each is the largest magnitude of a whole block of the
         # source, converted to float32 to find it: the work is the source's size, not the grid's.

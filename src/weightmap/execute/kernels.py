@@ -18,15 +18,23 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
+    Gather,
+    Lookup,
     Mask,
+    Matmul,
     Node,
+    Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
+    Unpack,
     int_cast_fits,
 )
 
@@ -40,7 +48,8 @@ OPAQUE_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 
 
 def cast(t: torch.Tensor, src: str, dst: str, where: str = "") -> torch.Tensor:
-    """Cast ``t`` from dtype ``src`` to ``dst``; integer narrowing checks every value fits."""
+    """Cast ``t`` from dtype ``src`` to ``dst``; a cast that may change values past rounding
+    (``int_cast_fits``) checks every value first and stops with the range it found."""
     import torch
 
     if src == dst:
@@ -49,16 +58,41 @@ def cast(t: torch.Tensor, src: str, dst: str, where: str = "") -> torch.Tensor:
         raise ExecutionError(f"{where}: cannot cast {src} to {dst}: torch cannot compute on it")
     target = DTYPES[dst]
     if t.numel() and not int_cast_fits(src, dst):
-        # numpy reduces every integer width (torch lacks min/max for uint16..uint64).
-        values = t.numpy()
-        info = torch.iinfo(target.torch())
-        lo, hi = int(values.min()), int(values.max())
-        if lo < info.min or hi > info.max:
+        if DTYPES[src].kind in ("int", "uint"):
+            # numpy reduces every integer width (torch lacks min/max for uint16..uint64).
+            values = t.numpy()
+            lo, hi = int(values.min()), int(values.max())
+        else:
+            lo, hi = _whole_range(t, src, dst, where)
+        if target.kind in ("int", "uint"):
+            info = torch.iinfo(target.torch())
+            low, high = int(info.min), int(info.max)
+        else:
+            high = int(torch.finfo(target.torch()).max)
+            low = -high
+        if lo < low or hi > high:
             raise ExecutionError(
                 f"{where}: values in [{lo}, {hi}] do not fit in {dst} "
-                f"([{info.min}, {info.max}]); the cast would change them"
+                f"([{low}, {high}]); the cast would change them"
             )
     return convert(t, target.torch())
+
+
+def _whole_range(t: torch.Tensor, src: str, dst: str, where: str) -> tuple[int, int]:
+    """The least and greatest value of a float tensor cast to an integer type, which must all
+    be whole numbers: a cast does not round (a `round`, `floor` or `ceil` rule does)."""
+    import torch
+
+    wide = t.to(torch.float64)  # every float type's values, exactly
+    if not bool(torch.isfinite(wide).all()):
+        raise ExecutionError(f"{where}: a NaN or an infinity cannot be cast from {src} to {dst}")
+    if not bool((wide == wide.trunc()).all()):
+        bad = float(wide[wide != wide.trunc()][0])
+        raise ExecutionError(
+            f"{where}: {bad!r} is not a whole number: a cast from {src} to {dst} does not round"
+            " (a `round`, `floor` or `ceil` rule before it does)"
+        )
+    return int(wide.min()), int(wide.max())
 
 
 def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") -> torch.Tensor:
@@ -89,6 +123,24 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
         return values.quantize(evaluate(node.src, get, where), node)
     if isinstance(node, Mask):
         return values.mask(evaluate(node.src, get, where), node, where)
+    if isinstance(node, Matmul):
+        return values.matmul(evaluate(node.a, get, where), evaluate(node.b, get, where), node)
+    if isinstance(node, Unpack):
+        return values.unpack(evaluate(node.src, get, where), node)
+    if isinstance(node, Pack):
+        return values.pack(evaluate(node.src, get, where), node, where)
+    if isinstance(node, Gather):
+        src, index = evaluate(node.src, get, where), evaluate(node.index, get, where)
+        return values.gather(src, index, node, where)
+    if isinstance(node, Lookup):
+        codes, table = evaluate(node.codes, get, where), evaluate(node.table, get, where)
+        return values.lookup(codes, table, node, where)
+    if isinstance(node, Round):
+        return values.round_values(evaluate(node.src, get, where), node)
+    if isinstance(node, Clamp):
+        return values.clamp(evaluate(node.src, get, where), node)
+    if isinstance(node, Reduce):
+        return values.reduce(evaluate(node.src, get, where), node)
     if isinstance(node, Reshape):
         src = evaluate(node.src, get, where)
         if node.dtype in OPAQUE_DTYPES:

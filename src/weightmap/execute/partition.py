@@ -28,7 +28,21 @@ from weightmap.format.dtypes import nbytes
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.writer import CheckpointWriter, Piece
 from weightmap.inputs.pickles import PickleHeader
-from weightmap.plan.nodes import Arith, Binary, Mask, Node, Quantize
+from weightmap.plan.nodes import (
+    Arith,
+    Binary,
+    Clamp,
+    Gather,
+    Lookup,
+    Mask,
+    Matmul,
+    Node,
+    Pack,
+    Quantize,
+    Reduce,
+    Round,
+    Unpack,
+)
 from weightmap.plan.plan import Plan
 
 __all__ = [
@@ -168,7 +182,9 @@ def _cost(unit: _Unit) -> int:
 
 def _per_byte(node: Node) -> int:
     """The estimated cost of one computed output byte of ``node``."""
-    arith = any(isinstance(n, Arith | Binary | Quantize | Mask) for n in tree_nodes(node))
+    computes = (Arith, Binary, Quantize, Mask, Matmul, Unpack, Pack, Gather, Lookup, Round, Clamp,
+                Reduce)  # fmt: skip
+    arith = any(isinstance(n, computes) for n in tree_nodes(node))
     return ARITH_COST if arith else MOVE_COST
 
 

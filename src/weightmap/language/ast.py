@@ -312,9 +312,22 @@ RuleOp = Literal[
     "reshape",
     "cast",
     "add",
+    "sub",
     "mul",
     "quantize",
     "mask",
+    "matmul",
+    "gather",
+    "lookup",
+    "unpack",
+    "pack",
+    "round",
+    "floor",
+    "ceil",
+    "clamp",
+    "amax",
+    "amin",
+    "sum",
 ]
 
 
@@ -325,8 +338,10 @@ class Rule:
     ``dim``: split/chunk/merge/stack/unstack; ``sizes``: split/merge; ``over``: stack;
     ``dims``: transpose/permute; ``from_shape``/``to_shape``: reshape;
     ``from_dtype``/``to_dtype``: cast (``to_dtype`` also the result of add/mul/quantize);
-    ``value``, ``block``, ``compute``: add/mul (``block`` also quantize); ``size``,
-    ``plus_index``: mask.
+    ``value``, ``block``, ``compute``: add/sub/mul (``block`` also quantize, ``compute`` also
+    matmul); ``size``, ``plus_index``: mask; ``dim`` also gather/unpack/pack, with ``bits`` and
+    ``order`` for unpack/pack; ``value`` also clamp (``[low, high]``); ``dim``, ``group`` the
+    reductions (amax, amin, sum; ``compute`` and ``to_dtype`` also sum).
     """
 
     op: RuleOp
@@ -347,6 +362,9 @@ class Rule:
     compute: str | None = None
     size: Expr | None = None
     plus_index: bool = False
+    bits: Expr | None = None
+    order: Expr | None = None
+    group: Expr | None = None
     loc: Loc = field(default=NOWHERE, compare=False)
 
 

@@ -403,8 +403,11 @@ class _Builder:
                 strings.append(x.children[0])
             elif x.data == "from_shape":
                 fields["from_shape"] = self.expr(x.children[0], loc)
-            elif x.data in ("sizes", "dim", "dims", "where", "value", "block"):
+            elif x.data in ("sizes", "dim", "dims", "where", "value", "block", "bits", "order",
+                            "group"):  # fmt: skip
                 fields[str(x.data)] = self.expr(x.children[0], loc)
+            elif x.data == "reduce_dim":  # a reduction's dim: an arithmetic expression
+                fields["dim"] = self.expr(x.children[0], loc)
             elif x.data in ("compute", "to_dtype"):
                 fields[str(x.data)] = str(x.children[0])
             elif x.data == "plus_index":
@@ -425,7 +428,7 @@ class _Builder:
         n_in = len(strings) if op in ("keep", "drop") else _count_input_strings(t)
         patterns = tuple(self.pattern(s) for s in strings[:n_in])
         outputs = tuple(self.template(s) for s in strings[n_in:])
-        if op in ("add", "mul") and n_in > 1 and not outputs:
+        if op in ("add", "sub", "mul") and n_in > 1 and not outputs:
             # One tensor may keep its name; the sum or product of several has none to keep.
             syntax_error(
                 self.text,
@@ -439,9 +442,14 @@ class _Builder:
         )
 
 
+# The rules whose patterns come as a list (`strings`) before the output.
+MULTI_INPUT = frozenset({"merge", "stack", "add", "sub", "mul", "matmul", "gather", "lookup"})
+
+
 def _count_input_strings(t: Tree[Any]) -> int:
-    """Input patterns of a rule: merge/stack/add/mul list them first; others have one."""
-    if t.data not in ("merge", "stack", "add", "mul"):
+    """Input patterns of a rule: merge/stack and the rules of several tensors (add, sub, mul,
+    matmul, gather, lookup) list them first; others have one."""
+    if t.data not in MULTI_INPUT:
         return 1
     for x in t.children:
         if isinstance(x, Tree) and x.data == "strings":

@@ -12,7 +12,8 @@ __all__ = ["pattern_text", "template_text", "unparse", "unparse_expr"]
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _WORDS = (
     "weightmap param include unmatched require else warn if rename keep drop copy split chunk "
-    "merge stack unstack transpose permute reshape cast add mul quantize mask block size plus "
+    "merge stack unstack transpose permute reshape cast add sub mul quantize mask block size plus "
+    "matmul gather lookup unpack pack bits order round floor ceil clamp amax amin sum group "
     "index dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error "
     "files file"
@@ -122,10 +123,12 @@ def _path(path: tuple[str, ...]) -> str:
 # Values, blocks and mask sizes are read at the `+`/`-` level (so `in bf16` after them is the
 # compute dtype): anything looser is written in parentheses.
 _ARITH = 5
+_REDUCTIONS = ("amax", "amin", "sum")
 
 
 def _value_rule(r: A.Rule, pats: str, outs: str) -> str:
-    """add / mul / quantize / mask, in their grammar's order."""
+    """add / sub / mul / quantize / mask / matmul / clamp / the reductions, in their
+    grammar's order."""
     words = [r.op + ("?" if r.optional else ""), pats]
     if r.op == "quantize":
         words.append(f"to {r.to_dtype}")
@@ -133,6 +136,10 @@ def _value_rule(r: A.Rule, pats: str, outs: str) -> str:
         words.append(f"size {unparse_expr(r.size, _ARITH)}")
     if r.plus_index:
         words.append("plus index")
+    if r.op in _REDUCTIONS and r.dim is not None:
+        words.append(f"dim {unparse_expr(r.dim, _ARITH)}")
+    if r.group is not None:
+        words.append(f"group {unparse_expr(r.group, _ARITH)}")
     if r.value is not None:
         words.append(unparse_expr(r.value, _ARITH))
     if r.block is not None:
@@ -151,7 +158,7 @@ def _value_rule(r: A.Rule, pats: str, outs: str) -> str:
 def _rule(r: A.Rule) -> str:
     pats = ", ".join(_s(p.text) for p in r.patterns)
     outs = ", ".join(_s(t.text) for t in r.outputs)
-    if r.op in ("add", "mul", "quantize", "mask"):
+    if r.op in ("add", "sub", "mul", "quantize", "mask", "matmul", "clamp", *_REDUCTIONS):
         return _value_rule(r, pats, outs)
     words = [r.op + ("?" if r.optional else "")]
     words.append(pats)
@@ -165,6 +172,10 @@ def _rule(r: A.Rule) -> str:
         value = getattr(r, key)
         if value is not None:
             words.append(f"{key} {unparse_expr(value)}")
+    for key in ("bits", "order"):  # read at the `+`/`-` level, as values are
+        value = getattr(r, key)
+        if value is not None:
+            words.append(f"{key} {unparse_expr(value, _ARITH)}")
     if r.to_shape is not None:
         words.append(f"to {unparse_expr(r.to_shape)}")
     if r.to_dtype:

@@ -12,15 +12,23 @@ from weightmap.plan.nodes import (
     Arith,
     Binary,
     Cast,
+    Clamp,
     Concat,
+    Gather,
+    Lookup,
     Mask,
+    Matmul,
     Node,
+    Pack,
     Permute,
     Quantize,
+    Reduce,
     Reshape,
+    Round,
     Slice,
     Source,
     Stack,
+    Unpack,
 )
 from weightmap.plan.parts import Dropped, OutputTensor, SideFile
 
@@ -91,10 +99,37 @@ def _op(node: Node) -> str:
     elif isinstance(node, Mask):
         inner = _op(node.src)
         here = f"mask size {node.size}" + (" plus index" if node.plus_index else "")
+    elif isinstance(node, Matmul):
+        inner = _op(node.a)
+        here = f"matmul {_first(node.b)} in {node.compute}" + _to(node.a.dtype, node.dtype)
+    elif isinstance(node, (Unpack, Pack)):
+        word = "unpack" if isinstance(node, Unpack) else "pack"
+        inner = _op(node.src)
+        here = f"{word} dim {node.dim} bits {node.bits} order {list(node.order)} -> {node.dtype}"
+    elif isinstance(node, Gather):
+        inner, here = _op(node.src), f"gather dim {node.dim} by {_first(node.index)}"
+    elif isinstance(node, Lookup):
+        inner, here = _op(node.codes), f"lookup in {_first(node.table)} -> {node.dtype}"
+    elif isinstance(node, Round):
+        inner, here = _op(node.src), node.mode
+    elif isinstance(node, Clamp):
+        inner, here = _op(node.src), f"clamp [{node.low}, {node.high}]"
+    elif isinstance(node, Reduce):
+        group = f" group {node.group}" if node.group else ""
+        inner, here = (
+            _op(node.src),
+            f"{node.op} dim {node.dim}{group}" + _to(node.src.dtype, node.dtype),
+        )
     else:
         assert isinstance(node, Cast)
         inner, here = _op(node.src), f"cast {node.src.dtype}->{node.dtype}"
     return here if inner == "=" else f"{inner}, {here}"
+
+
+def _first(node: Node) -> str:
+    """The first input tensor an operand reads, naming it in a step."""
+    srcs = node.sources()
+    return srcs[0].name if srcs else "?"
 
 
 def _to(src: str, dst: str) -> str:

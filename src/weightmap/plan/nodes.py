@@ -17,15 +17,23 @@ __all__ = [
     "Arith",
     "Binary",
     "Cast",
+    "Clamp",
     "Concat",
+    "Gather",
+    "Lookup",
     "Mask",
+    "Matmul",
     "Node",
+    "Pack",
     "Permute",
     "Quantize",
+    "Reduce",
     "Reshape",
+    "Round",
     "Slice",
     "Source",
     "Stack",
+    "Unpack",
     "int_cast_fits",
     "node_from_dict",
     "node_to_dict",
@@ -178,16 +186,18 @@ class Reshape(Node):
 class Cast(Node):
     """``src`` converted to the node's ``dtype``.
 
-    Float to float rounds to nearest even (as torch does). An integer cast to a narrower type
-    (see :attr:`narrowing`) must be range-checked by the executor: a value that does not fit
-    is an error, never a wrap-around.
+    Float to float, and integer to float, rounds to nearest even (as torch does). A cast that
+    may change values past that (see :attr:`narrowing`: an integer to a narrower integer, a
+    float to an integer, an integer to a float of smaller range) is checked by the executor: a
+    value that does not fit, or a float that is not a whole number, is an error, never a
+    wrap-around or a silent truncation.
     """
 
     src: Node
 
     @property
     def narrowing(self) -> bool:
-        """True for integer casts that may not hold every source value."""
+        """True for casts that may not hold every source value (checked when run)."""
         return not int_cast_fits(self.src.dtype, self.dtype)
 
     def children(self) -> tuple[Node, ...]:
@@ -199,14 +209,14 @@ class Cast(Node):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Arith(Node):
-    """``src`` plus or times a constant (add, mul).
+    """``src`` plus, minus or times a constant (add, sub, mul).
 
     ``src`` is converted to the ``compute`` dtype, combined with ``value`` there (torch's
     arithmetic in that dtype, rounding once), and the result rounded to the node's ``dtype``.
     """
 
     src: Node
-    op: str  # "add" or "mul"
+    op: str  # "add", "sub" or "mul"
     value: int | float
     compute: str
 
@@ -219,7 +229,7 @@ class Arith(Node):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Binary(Node):
-    """``a`` plus or times ``b``, elementwise; ``b`` is broadcast over blocks of ``a``.
+    """``a`` plus, minus or times ``b``, elementwise; ``b`` is broadcast over blocks of ``a``.
 
     ``block`` gives, for the last ``len(block)`` dims of ``a``, how many of its elements each
     element of ``b`` covers (``b``'s size there is the ceiling of ``a``'s over the block, a
@@ -230,7 +240,7 @@ class Binary(Node):
 
     a: Node
     b: Node
-    op: str  # "add" or "mul"
+    op: str  # "add", "sub" or "mul"
     block: tuple[int, ...]
     compute: str
 
@@ -284,14 +294,177 @@ class Mask(Node):
         return f"mask({self.src.describe()}, size {self.size}{plus})"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Matmul(Node):
+    """The matrix product ``a @ b`` of two 2-D tensors (``[m, k] @ [k, n]``).
+
+    Both are converted to ``compute`` and multiplied there in tiles of fixed shape (see
+    ``execute/values.py``), so each output element is the same whatever part of the output is
+    computed at once; the result is rounded once to the node's ``dtype``.
+    """
+
+    a: Node
+    b: Node
+    compute: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.a, self.b)
+
+    def describe(self) -> str:
+        return f"matmul({self.a.describe()}, {self.b.describe()}, in {self.compute})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unpack(Node):
+    """Each integer word of ``src`` split into ``bits``-bit codes along ``dim``.
+
+    A word of w bits holds ``w // bits`` codes; code ``i`` of a word (its i-th value along
+    ``dim``) is the word's field number ``order[i]``, fields counted from the least
+    significant bits (field j is ``(word >> (j * bits)) & (2**bits - 1)``). ``dim`` grows by
+    ``w // bits``; the codes are unsigned (U8, or U16 for 16-bit fields).
+    """
+
+    src: Node
+    dim: int
+    bits: int
+    order: tuple[int, ...]
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return _packing("unpack", self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pack(Node):
+    """The inverse of :class:`Unpack`: each run of ``w // bits`` codes of ``src`` along
+    ``dim`` becomes one word of the node's integer dtype (w bits), code ``i`` going to field
+    ``order[i]``. A code outside ``0 .. 2**bits - 1`` is an execution error."""
+
+    src: Node
+    dim: int
+    bits: int
+    order: tuple[int, ...]
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return _packing("pack", self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Round(Node):
+    """``src`` rounded to whole numbers, in its own float dtype (exact: every whole number
+    near a value of a float type is a value of it): ``mode`` "round" (nearest, ties to
+    even), "floor" or "ceil"."""
+
+    src: Node
+    mode: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"{self.mode}({self.src.describe()})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Clamp(Node):
+    """``src`` limited to ``[low, high]`` (a bound rounded once to the dtype; NaN stays NaN)."""
+
+    src: Node
+    low: int | float
+    high: int | float
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"clamp({self.src.describe()}, {self.low}, {self.high})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reduce(Node):
+    """``op`` ("amax", "amin" or "sum") of ``src`` along ``dim``: over the whole dim (which the
+    result no longer has), or over each run of ``group`` elements (the dim becomes its number
+    of groups). amax/amin are exact (NaN wins); a sum adds the elements in order, each sum
+    rounded in ``compute``, and rounds once to the node's dtype."""
+
+    src: Node
+    op: str
+    dim: int
+    group: int  # 0: the whole dim
+    compute: str
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        group = f", group {self.group}" if self.group else ""
+        return f"{self.op}({self.src.describe()}, dim={self.dim}{group})"
+
+
+def _packing(word: str, n: Unpack | Pack) -> str:
+    return f"{word}({n.src.describe()}, dim={n.dim}, bits {n.bits}, order {list(n.order)})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Gather(Node):
+    """Slices of ``src`` along ``dim`` picked by ``index``, a 1-D integer tensor: result index
+    ``i`` along ``dim`` is ``src``'s index ``index[i]`` (``src.index_select(dim, index)``,
+    GPTQ's ``scales[g_idx]``). An index out of range is an execution error."""
+
+    src: Node
+    index: Node
+    dim: int
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.src, self.index)
+
+    def describe(self) -> str:
+        return f"gather({self.src.describe()}, dim={self.dim}, by {self.index.describe()})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Lookup(Node):
+    """Each integer code of ``codes`` replaced by its entry of ``table``, a small 1-D tensor
+    (``table[codes]``: a codebook). The result has the codes' shape and the table's dtype; a
+    code outside the table is an execution error."""
+
+    codes: Node
+    table: Node
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.codes, self.table)
+
+    def describe(self) -> str:
+        return f"lookup({self.codes.describe()}, {self.table.describe()})"
+
+
+# The largest finite value of each float type a cast from an integer may go to.
+_FLOAT_MAX = {"F64": 1.7976931348623157e308, "F32": 3.4028234663852886e38,
+              "BF16": 3.3895313892515355e38, "F16": 65504.0, "F8_E4M3": 448.0,
+              "F8_E5M2": 57344.0}  # fmt: skip
+_INTS = ("int", "uint")
+
+
 def int_cast_fits(src: str, dst: str) -> bool:
-    """True unless ``src`` -> ``dst`` is an integer cast that can lose values."""
+    """True unless ``src`` -> ``dst`` is a cast that can change values past a float's rounding:
+    an integer cast to a narrower type, a float to an integer (which must hold whole numbers
+    in range), or an integer to a float type whose largest value is below the integer's."""
     a, b = DTYPES[src], DTYPES[dst]
-    if a.kind not in ("int", "uint") or b.kind not in ("int", "uint"):
-        return True
-    if a.kind == b.kind:
-        return b.bits >= a.bits
-    return a.kind == "uint" and b.bits > a.bits
+    if a.kind in _INTS and b.kind in _INTS:
+        if a.kind == b.kind:
+            return b.bits >= a.bits
+        return a.kind == "uint" and b.bits > a.bits
+    if b.kind in _INTS:
+        return a.kind not in ("float", "complex")
+    if a.kind in _INTS and dst in _FLOAT_MAX:
+        largest: int = 2**a.bits - 1 if a.kind == "uint" else 2 ** (a.bits - 1)
+        return largest <= _FLOAT_MAX[dst]
+    return True
 
 
 def node_to_dict(n: Node) -> dict[str, Any]:
@@ -316,6 +489,21 @@ def node_to_dict(n: Node) -> dict[str, Any]:
         d.update(src=node_to_dict(n.src), block=list(n.block), part=n.part, fp8=n.fp8)
     elif isinstance(n, Mask):
         d.update(src=node_to_dict(n.src), size=n.size, plus_index=n.plus_index)
+    elif isinstance(n, Matmul):
+        d.update(a=node_to_dict(n.a), b=node_to_dict(n.b), compute=n.compute)
+    elif isinstance(n, (Unpack, Pack)):
+        d.update(src=node_to_dict(n.src), dim=n.dim, bits=n.bits, order=list(n.order))
+    elif isinstance(n, Gather):
+        d.update(src=node_to_dict(n.src), index=node_to_dict(n.index), dim=n.dim)
+    elif isinstance(n, Lookup):
+        d.update(codes=node_to_dict(n.codes), table=node_to_dict(n.table))
+    elif isinstance(n, Round):
+        d.update(src=node_to_dict(n.src), mode=n.mode)
+    elif isinstance(n, Clamp):
+        d.update(src=node_to_dict(n.src), low=n.low, high=n.high)
+    elif isinstance(n, Reduce):
+        d.update(src=node_to_dict(n.src), reduce=n.op, dim=n.dim, group=n.group)
+        d["compute"] = n.compute
     return d
 
 
@@ -352,4 +540,25 @@ def node_from_dict(d: dict[str, Any]) -> Node:
     if op == "mask":
         return Mask(dtype=dt, shape=shape, src=node_from_dict(d["src"]), size=d["size"],
                     plus_index=d["plus_index"])  # fmt: skip
+    if op == "matmul":
+        a, b = node_from_dict(d["a"]), node_from_dict(d["b"])
+        return Matmul(dtype=dt, shape=shape, a=a, b=b, compute=d["compute"])
+    if op in ("unpack", "pack"):
+        packing: type[Unpack | Pack] = Unpack if op == "unpack" else Pack
+        return packing(dtype=dt, shape=shape, src=node_from_dict(d["src"]), dim=d["dim"],
+                       bits=d["bits"], order=tuple(d["order"]))  # fmt: skip
+    if op == "gather":
+        src, index = node_from_dict(d["src"]), node_from_dict(d["index"])
+        return Gather(dtype=dt, shape=shape, src=src, index=index, dim=d["dim"])
+    if op == "lookup":
+        codes, table = node_from_dict(d["codes"]), node_from_dict(d["table"])
+        return Lookup(dtype=dt, shape=shape, codes=codes, table=table)
+    if op == "round":
+        return Round(dtype=dt, shape=shape, src=node_from_dict(d["src"]), mode=d["mode"])
+    if op == "clamp":
+        src = node_from_dict(d["src"])
+        return Clamp(dtype=dt, shape=shape, src=src, low=d["low"], high=d["high"])
+    if op == "reduce":
+        return Reduce(dtype=dt, shape=shape, src=node_from_dict(d["src"]), op=d["reduce"],
+                      dim=d["dim"], group=d["group"], compute=d["compute"])  # fmt: skip
     raise ValueError(f"unknown plan node {op!r}")
