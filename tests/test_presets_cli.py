@@ -27,7 +27,11 @@ def test_presets_lists_each_whole(capsys: pytest.CaptureFixture[str]) -> None:
     assert blocks[1].strip() == "params: (none)"
     assert blocks[2].strip().startswith("model types: mixtral, minimax, minimax_m2, phimoe, ")
     assert blocks[2].strip().endswith(", cohere2_moe, jamba")
-    cast = out.split("\ncast ")[0] if not out.startswith("cast ") else out
+    cast = (
+        ("\n" + out)
+        .split("\ncast ")[1]
+        .split("\n" + next(n for n in preset_names() if n > "cast") + " ")[0]
+    )
     assert 'params: target="bf16"' in cast and "model types: any" in cast
 
 
