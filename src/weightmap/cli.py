@@ -11,19 +11,29 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO, cast
 
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, recover, remap
-from weightmap.errors import CheckpointError, MappingError, MappingSyntaxError, WeightmapError
+from weightmap.errors import (
+    Cancelled,
+    CheckpointError,
+    MappingError,
+    MappingSyntaxError,
+    WeightmapError,
+)
 from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
 from weightmap.fs.atomic import remove_path, temporaries
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
@@ -116,6 +126,36 @@ def _summary(plan: Plan) -> str:
     )
 
 
+class _ProgressLines:
+    """Progress as lines on stderr, where it is not a terminal (a log file, a pipe): a bar
+    there would be one line rewritten, so a long run would show nothing until its end.
+
+    A line at each tenth of the work (and every 30 s between tenths), once the writing has
+    lasted half a second: a shorter run prints none.
+    """
+
+    QUIET_SECONDS = 0.5
+    EVERY_SECONDS = 30.0
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._shown = 0  # tenths
+        self._last = 0.0
+        self._lock = threading.Lock()  # (called from the writer threads)
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._start is None:
+                self._start = self._last = now
+            tenths = done * 10 // total if total else 10
+            if now - self._start < self.QUIET_SECONDS or tenths >= 10:
+                return
+            if tenths > self._shown or now - self._last >= self.EVERY_SECONDS:
+                self._shown, self._last = max(tenths, self._shown), now
+                _err(f"weightmap: {done * 100 // total}% ({_human(done)} of {_human(total)})")
+
+
 def _warn(plan: Plan) -> None:
     for w in plan.warnings:
         _err(f"weightmap: warning: {w}")
@@ -131,7 +171,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not (args.inplace or args.dry_run) and args.dst is None:
         raise UsageError("give DST (the output folder), or --inplace / --dry-run")
     quiet = args.quiet
-    progress: bool | None = False if (args.no_progress or quiet) else None
+    progress: bool | _ProgressLines | None = False if (args.no_progress or quiet) else None
+    if progress is None and not sys.stderr.isatty():
+        progress = _ProgressLines()
 
     def show(plan: Plan) -> None:
         # Before any work, so the summary and warnings come before the progress bar.
@@ -158,6 +200,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         layout=args.layout,
         executor="ray" if args.ray or args.ray_address else "local",
         ray_address=args.ray_address,
+        cancel=args.cancel,
     )
     if not quiet:
         print(result)
@@ -509,17 +552,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = cast(TextIO, _Printable(stdout))
     try:
-        return _run(args, debug)
+        code = _run(args, debug)
     finally:
         sys.stdout = stdout
+    if args.cancel.signal is not None:
+        # Stopped by a signal, its clean-up done: the process ends now, not after the second
+        # the interpreter takes to unload torch (a stop must take well under a second).
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# The signals that stop a command: Ctrl-C, and what `kill`, systemd and Kubernetes send.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(token: CancelToken) -> Iterator[None]:
+    """While the command runs, the first SIGINT or SIGTERM cancels ``token``, says so at once
+    and raises KeyboardInterrupt in this thread; the run's loops stop at their next chunk,
+    and the temporaries go as the exception unwinds. Later signals only wait for that (a
+    second exception would cut the clean-up short). The previous handlers come back after.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (handlers can only be set in the main thread; a caller there keeps its own)
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        if token.cancelled:
+            return
+        token.cancel(signum)
+        # Written straight to the descriptor: a signal handler may run in the middle of a
+        # write to sys.stderr (the progress bar), which a second write there would refuse.
+        with contextlib.suppress(OSError):
+            os.write(2, b"\nweightmap: interrupting...\n")
+        if not token.shielding:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _interrupted(token: CancelToken) -> int:
+    """The exit code of a stopped command: 128 + the signal, as a shell reports it."""
+    return 128 + (token.signal or signal.SIGINT)
 
 
 def _run(args: argparse.Namespace, debug: bool) -> int:
     """The command, its known errors as a line on stderr and an exit code."""
+    token = args.cancel = CancelToken()
     try:
-        code: int = args.func(args)
-        # Flushed here, not at exit, so that a closed pipe is caught below.
-        sys.stdout.flush()
+        with _stop_on_signals(token):
+            code: int = args.func(args)
+            # Flushed here, not at exit, so that a closed pipe is caught below.
+            sys.stdout.flush()
+        if token.cancelled:
+            # The signal came while a stretch that must finish ran (an in-place rename's
+            # journal replay): it finished, and said so above.
+            _err("weightmap: interrupted after the work was committed; it is complete")
+            return _interrupted(token)
         return code
     except BrokenPipeError:
         # `weightmap inspect ... | head` closes the pipe early; that is not an error. Whatever
@@ -530,6 +627,9 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return 0
+    except (KeyboardInterrupt, Cancelled):
+        _err("weightmap: interrupted; nothing was committed")
+        return _interrupted(token)
     except (UsageError, MappingSyntaxError, MappingError) as exc:
         if debug:
             raise
@@ -547,9 +647,6 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             raise
         _err(f"weightmap: error: {exc}")
         return 2
-    except KeyboardInterrupt:
-        _err("weightmap: interrupted; nothing was committed")
-        return 130
 
 
 if __name__ == "__main__":

@@ -289,6 +289,11 @@ class CheckpointWriter:
         except OSError as exc:
             self.abort()
             raise ExecutionError(f"{self.dest}: cannot create the output ({exc})") from exc
+        except BaseException:
+            # An interrupt while the shards are made (a KeyboardInterrupt): a failed __enter__
+            # gets no __exit__, so what was made goes here.
+            self.abort()
+            raise
 
     def _probe_clones(self) -> None:
         """Find out, once per input filesystem, whether its blocks can be shared with ours.
