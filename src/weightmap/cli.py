@@ -176,8 +176,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         progress = _ProgressLines()
 
     def show(plan: Plan) -> None:
-        # Before any work, so the summary and warnings come before the progress bar.
-        _warn(plan)
+        # Before any work, so the summary and warnings come before the progress bar (a dry
+        # run's plan table lists them itself: said once).
+        if quiet or not args.dry_run:
+            _warn(plan)
         if not quiet:
             print(_summary(plan), flush=True)
             if args.dry_run:
@@ -228,7 +230,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
         print(json.dumps(doc, indent=2))
         return 0
-    _warn(plan)
+    # (The plan table lists the warnings itself: said once, not on stderr too.)
     print(_summary(plan))
     print(plan.explain())
     return 0
@@ -280,8 +282,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    # Side files compared between two folders only (a file given alone has no side files).
+    folders = Path(args.a).is_dir() and Path(args.b).is_dir()
     with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
-        d = diff_checkpoints(a, b)
+        d = diff_checkpoints(a, b, side_files=folders)
     for name in d.only_a:
         print(f"only in A: {one_line(name)}")
     for name in d.only_b:
@@ -292,6 +296,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         print(f"bytes differ: {one_line(name)}")
     for line in d.config:
         print(f"config {one_line(line)}")
+    for line in d.files:
+        print(f"file {one_line(line)}")
     # Each kind counted apart: a renamed tensor is one only in A and one only in B, not two
     # of one kind, and a sum would count it twice against the tensors either side holds.
     kinds = [
@@ -300,6 +306,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         (len(d.changed), "with another dtype or shape"),
         (len(d.bytes_differ), "with other bytes"),
         (len(d.config), "config difference(s)"),
+        (len(d.files), "side file difference(s)"),
     ]
     print(
         f"{d.equal} tensor{'' if d.equal == 1 else 's'} identical"
@@ -433,21 +440,41 @@ def _side_files_arg(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
     )
 
 
+def _examples(*lines: str) -> str:
+    """A command's ``--help`` epilog: its examples, one per line."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
     )
     debug_help = "show the traceback of an error (or WEIGHTMAP_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
+    # (The package is imported before any of its modules: its version is there to read.)
+    version = getattr(sys.modules.get("weightmap"), "__version__", "unknown")
+    parser.add_argument("--version", action="version", version=f"weightmap {version}")
     # --debug after the command too (`weightmap inspect X --debug`), as people type it: each
     # command takes it, and SUPPRESS leaves the top-level value alone where it is not given.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    add_parser = partial(sub.add_parser, parents=[common])
+    # (RawDescription: the examples' lines stay as they are written.)
+    add_parser = partial(
+        sub.add_parser, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
-    p = add_parser("convert", help="convert a checkpoint with a preset or a mapping")
+    p = add_parser(
+        "convert",
+        help="convert a checkpoint with a preset or a mapping",
+        epilog=_examples(
+            "weightmap convert examples/eagle3-speculators out/sglang --preset eagle3-sglang",
+            "weightmap convert ./llama out/llama-bf16 --mapping cast.wm --verify",
+            "weightmap convert org/name@main out/x --preset NAME --dry-run",
+            "weightmap convert ./llama --inplace --mapping rename.wm",
+        ),
+    )
     p.add_argument("src", help=_SRC_HELP)
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
@@ -472,7 +499,10 @@ def _parser() -> argparse.ArgumentParser:
         "mounts at the same path",
     )
     p.add_argument(
-        "--ray-address", metavar="ADDRESS", default=None, help="the Ray cluster's (implies --ray)"
+        "--ray-address",
+        metavar="ADDRESS",
+        default=None,
+        help="the Ray cluster's address, host:port or ray://host:port (implies --ray)",
     )
     p.add_argument(
         "--layout",
@@ -489,19 +519,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_convert)
 
-    p = add_parser("plan", help="show what a conversion would do, writing nothing")
+    p = add_parser(
+        "plan",
+        help="show what a conversion would do, writing nothing",
+        epilog=_examples(
+            "weightmap plan examples/eagle3-speculators --preset eagle3-sglang",
+            "weightmap plan ./llama --mapping my.wm --json",
+        ),
+    )
     p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
     _side_files_arg(p, writes=False)
     p.set_defaults(func=_cmd_plan)
 
-    p = add_parser("inspect", help="list a checkpoint's tensors")
+    p = add_parser(
+        "inspect",
+        help="list a checkpoint's tensors",
+        epilog=_examples("weightmap inspect ./llama", "weightmap inspect model.safetensors --json"),
+    )
     p.add_argument("checkpoint", help=_SRC_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
-    p = add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
+    p = add_parser(
+        "diff",
+        help="compare two checkpoints (exit 1 if they differ)",
+        epilog=_examples("weightmap diff ./llama out/llama-roundtrip"),
+    )
     p.add_argument("a", help="the first checkpoint (" + _SRC_HELP + ")")
     p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
@@ -510,7 +555,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.set_defaults(func=_cmd_presets)
 
-    p = add_parser("check", help="parse a mapping, and compile it against a checkpoint")
+    p = add_parser(
+        "check",
+        help="parse a mapping, and compile it against a checkpoint",
+        epilog=_examples("weightmap check my.wm", "weightmap check eagle3-sglang ./drafter"),
+    )
     p.add_argument("mapping", help=_MAPPING_HELP)
     p.add_argument("checkpoint", nargs="?", help="compile it against this checkpoint too")
     p.add_argument(
@@ -521,7 +570,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_check)
 
-    p = add_parser("invert", help="print the inverse of a mapping (file or preset)")
+    p = add_parser(
+        "invert",
+        help="print the inverse of a mapping (file or preset)",
+        epilog=_examples("weightmap invert my.wm", "weightmap invert eagle3-sglang ./drafter"),
+    )
     p.add_argument("mapping", help=_MAPPING_HELP)
     p.add_argument(
         "checkpoint",
@@ -536,7 +589,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_invert)
 
-    p = add_parser("clean", help="remove what killed runs left in a folder")
+    p = add_parser(
+        "clean",
+        help="remove what killed runs left in a folder",
+        epilog=_examples("weightmap clean ./llama", "weightmap clean out"),
+    )
     p.add_argument(
         "path", help="a checkpoint folder, or the folder an output was being written into"
     )

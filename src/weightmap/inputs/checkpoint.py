@@ -30,6 +30,7 @@ from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
 from weightmap.inputs.pickles import PickleHeader, is_pickle, read_pickle, release_pages
 from weightmap.inputs.sidefiles import cache_blobs, inside_folder, resolve_path
+from weightmap.inputs.sniff import refuse_foreign, sniff
 
 if TYPE_CHECKING:
     import torch
@@ -486,9 +487,11 @@ class Checkpoint:
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
         for f in files:
             header: Header
-            if is_pickle(f):
+            kind = "pytorch" if is_pickle(f) else sniff(f)  # (by its bytes, whatever its name)
+            if kind == "pytorch":
                 header, loaded[f] = read_pickle(f)
             else:
+                refuse_foreign(f, kind)
                 header = read_header(f)
             headers[f] = header
             if not tensors.keys().isdisjoint(header.tensors):
