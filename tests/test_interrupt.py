@@ -136,10 +136,10 @@ def test_a_signal_stops_the_conversion_at_once(
     assert "Traceback" not in err and " into " not in out  # (no summary of a finished run)
     assert not dest.exists()
     assert _entries(tmp_path) == set(), "a temporary was left behind"
-    # Stopped before finishing: the process ended before a run to the end would have (the
-    # code before this test waited for every queued chunk, then the interpreter's teardown,
-    # about a second more). Not a fixed number: the machine is shared, its pace varies.
-    assert stopped < left, f"{stopped:.2f} s to stop; a full run had {left:.2f} s left"
+    # Stopped before finishing: the process ended well before a run to the end would have
+    # (the code before this test waited for every queued chunk, then for the release of what
+    # it had written). Not a fixed number: the machine is shared, its pace varies.
+    assert stopped < left / 2, f"{stopped:.2f} s to stop; a full run had {left:.2f} s left"
 
 
 def test_the_cli_puts_its_handlers_back() -> None:

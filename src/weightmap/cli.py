@@ -33,7 +33,7 @@ from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
 from weightmap.fs.atomic import remove_path, temporaries
-from weightmap.fs.cancel import CancelToken
+from weightmap.fs.cancel import CancelToken, hand_off_releases
 from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
@@ -641,6 +641,7 @@ def _stop_on_signals(token: CancelToken) -> Iterator[None]:
         if token.cancelled:
             return
         token.cancel(signum)
+        hand_off_releases()  # the output's pages are freed after the exit (fs/cancel.py)
         # Written straight to the descriptor: a signal handler may run in the middle of a
         # write to sys.stderr (the progress bar), which a second write there would refuse.
         with contextlib.suppress(OSError):

@@ -55,6 +55,7 @@ from weightmap.fs.atomic import (
     stale_temporaries,
     temporary_path,
 )
+from weightmap.fs.cancel import keep_open_elsewhere
 
 __all__ = [
     "CheckpointWriter",
@@ -338,6 +339,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
         self._close_inputs()
+        keep_open_elsewhere(self._fds)  # (only once a signal stopped the command line)
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -13,13 +13,16 @@ and the stretch finishes.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from weightmap.errors import Cancelled
 
-__all__ = ["CancelSource", "CancelToken", "as_token"]
+__all__ = ["CancelSource", "CancelToken", "as_token", "hand_off_releases", "keep_open_elsewhere"]
 
 CancelSource = threading.Event | Callable[[], bool]
 
@@ -94,3 +97,49 @@ def as_token(cancel: CancelSource | CancelToken | None) -> CancelToken:
         "cancel must be a threading.Event or a callable taking no arguments that returns "
         f"True to stop, got {type(cancel).__name__}"
     )
+
+
+# Set once the command line was told to stop by a signal: see keep_open_elsewhere.
+_hand_off = False
+
+
+def hand_off_releases() -> None:
+    """From now on, files removed after ``keep_open_elsewhere`` are released by another
+    process. Only the command line turns this on, once a signal stopped it: the process is
+    about to end, and nothing else of it waits for those files."""
+    global _hand_off
+    _hand_off = True
+
+
+def keep_open_elsewhere(fds: Sequence[int]) -> None:
+    """Where ``hand_off_releases`` was called: a child process keeps ``fds`` open until this
+    process has ended, then closes them. Nothing otherwise.
+
+    Removing a file of a stopped conversion frees its pages, and the kernel first waits for
+    every write already on its way to the disk (``start_writeback`` keeps hundreds of MB in
+    flight): seconds, in which the process could not exit. With the child holding the files,
+    the caller's unlink only removes their names, at once; the child, with nothing else open,
+    pays for the pages after this process is gone.
+    """
+    if not _hand_off or not fds or not hasattr(os, "fork"):
+        return
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return  # (then the caller releases the files itself, as without a signal)
+    if pid != 0:
+        return
+    try:  # the child: only system calls from here, and never a return into the caller
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        start = 0
+        for fd in sorted(set(fds)):  # everything else closed: the pipes of whoever started
+            os.closerange(start, fd)  # the command must see their end when it exits
+            start = fd + 1
+        os.closerange(start, 1 << 20)
+        deadline = time.monotonic() + 600
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os._exit(0)
