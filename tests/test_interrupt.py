@@ -30,6 +30,7 @@ from safetensors.numpy import save_file
 import weightmap
 from weightmap import cli
 from weightmap.execute import cluster
+from weightmap.fs import cancel as fs_cancel
 from weightmap.fs.cancel import CancelToken, as_token
 from weightmap.inputs.checkpoint import Checkpoint
 
@@ -148,6 +149,14 @@ def test_the_cli_puts_its_handlers_back() -> None:
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
+@pytest.fixture
+def handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's signal handlers used in this process: what they switch on for the
+    rest of a stopped command (the hand-off of the output's files) is switched off after."""
+    monkeypatch.setattr(fs_cancel, "_hand_off", False)
+
+
+@pytest.mark.usefixtures("handlers")
 def test_the_cli_handler_waits_out_a_shielded_stretch() -> None:
     token = CancelToken()
     with cli._stop_on_signals(token):
@@ -260,6 +269,7 @@ def test_inplace_cancelled_before_its_journal_changes_nothing(tmp_path: Path) ->
     assert _entries(src) == {"model.safetensors"}
 
 
+@pytest.mark.usefixtures("handlers")
 def test_inplace_signal_during_the_replay_lets_it_finish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
