@@ -339,3 +339,34 @@ def test_a_cancelled_ray_run_cancels_its_tasks() -> None:
         cluster._run(ray, tasks, 2, None, 0, "out", token)  # type: ignore[arg-type]
     timer.join()
     assert ray.cancelled == [1, 2]  # the two running; the other three never started
+
+
+def test_the_cli_says_an_interrupted_inplace_rename_was_committed(tmp_path: Path) -> None:
+    src = _small(tmp_path, 2)
+    mapping = tmp_path / "rename.wm"
+    mapping.write_text(_RENAME + "\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from weightmap.execute import inplace\n"
+        "replay = inplace._replay\n"
+        "def interrupted(root, journal):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.05)\n"
+        "    replay(root, journal)\n"
+        "inplace._replay = interrupted\n"
+        "from weightmap.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(src), "--inplace", "--mapping", str(mapping)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 143, r.stderr
+    assert "weightmap: interrupting...\n" in r.stderr
+    assert r.stderr.rstrip().endswith(
+        "weightmap: interrupted after the work was committed; it is complete"
+    )
+    with Checkpoint.open(src) as ckpt:
+        assert sorted(ckpt) == ["l.0.w", "l.1.w"]
