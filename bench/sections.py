@@ -16,6 +16,7 @@ KEPT = (
     "## fp8 dequantization",  # bench/bench_fp8.py
     "## PyTorch checkpoints",  # bench/bench_pickle.py, written from its table
     "## Past one machine",  # bench/bench_ray.py
+    "## Stopping a conversion",  # bench/bench_interrupt.py
 )
 
 

@@ -124,7 +124,11 @@ def _one_line_refusal(args: list[str], env: dict[str, str] | None = None) -> str
     return result.stderr
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+# The weights file too: its first bytes are read to tell a safetensors file from a torch zip
+# or a GGUF file, and that read must not wait on a FIFO either.
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors.index.json", "model.safetensors"]
+)
 @pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
 def test_a_fifo_or_device_as_a_small_file_is_refused_at_once(
     ckpt: Path, name: str, special: str

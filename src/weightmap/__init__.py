@@ -19,6 +19,7 @@ from weightmap.api import (
     verify,
 )
 from weightmap.errors import (
+    Cancelled,
     CheckpointError,
     ExecutionError,
     FormatError,
@@ -36,6 +37,7 @@ from weightmap.plan.plan import Plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cancelled",
     "Checkpoint",
     "CheckpointError",
     "ExecutionError",

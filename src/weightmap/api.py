@@ -17,6 +17,7 @@ from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES
 from weightmap.execute.verify import check_output, recomputed
 from weightmap.format.layout import CONFIG_NAME, Layouts
 from weightmap.format.writer import destination_path
+from weightmap.fs.cancel import CancelSource, CancelToken, as_token
 from weightmap.fs.fdlimit import make_room
 from weightmap.fs.gcpause import gc_paused
 from weightmap.inputs.checkpoint import Checkpoint
@@ -193,6 +194,7 @@ def remap(
     layout: Layouts = "clone",
     executor: Executor = "local",
     ray_address: str | None = None,
+    cancel: CancelSource | CancelToken | None = None,
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -231,11 +233,18 @@ def remap(
       (default: the cluster's CPUs), ``chunk_bytes`` the memory budget of each task. Input and
       output must be on a filesystem every node mounts at the same path. The bytes written are
       the local executor's.
+    - ``cancel``: a ``threading.Event`` or a callable taking no arguments, checked between
+      chunks (and between the steps before them); once it is set or returns True, the run
+      stops within a chunk and raises :class:`~weightmap.errors.Cancelled`: queued work is
+      dropped, the temporary folder removed, nothing committed (an in-place rename stops only
+      before its journal is written; after that, its few small writes finish). A
+      ``KeyboardInterrupt`` stops the writer threads the same way.
 
     >>> weightmap.remap("examples/eagle3-speculators", "out", preset="eagle3-sglang")
     ... # doctest: +SKIP
     """
     start = time.perf_counter()
+    token = as_token(cancel)
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r}: use one of {', '.join(EXECUTORS)}")
     rules = resolve_mapping(preset, mapping)
@@ -255,6 +264,7 @@ def remap(
 
     # resolve the input -> compile -> run in the chosen mode.
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=bars)
+    token.check()
     # One pause of the collector over the conversion (fs/gcpause.py): it ends once the mode
     # has returned, so that what the conversion made and dropped is never walked. A
     # conversion that only moves bytes makes no objects per byte, however long its copies
@@ -277,9 +287,11 @@ def remap(
             on_plan(plan)
         if dry_run:
             return run_dry(plan, ckpt, dest, overwrite=overwrite, inplace=inplace)
+        token.check()
         src.fetch((f.source for f in plan.files if f.source is not None), progress=bars)
+        token.check()
         if inplace:
-            return run_inplace(plan, ckpt, start)
+            return run_inplace(plan, ckpt, start, token)
         assert dest is not None
         options = WriteOptions(
             dest,
@@ -291,6 +303,7 @@ def remap(
             chunk_bytes=chunk_bytes,
             layout=layout,
             ray_address=ray_address,
+            cancel=token,
         )
         run = run_local if executor == "local" else run_ray
         return run(plan, ckpt, options, start)
@@ -378,6 +391,7 @@ def iter_tensors(
     mapping: PathLike | RuleMapping | None = None,
     params: Mapping[str, Any] | None = None,
     allow_code: bool = False,
+    cancel: CancelSource | CancelToken | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of the remapped checkpoint lazily, one output at a time.
 
@@ -393,8 +407,12 @@ def iter_tensors(
     out of range) raise ``ExecutionError`` when that tensor is reached. Two outputs of one
     input never share memory (a ``copy`` yields a copy); tensors a PyTorch checkpoint stores
     tied come out tied, as ``torch.load`` gives them. ``allow_code`` as :func:`remap` takes
-    it: the plan is the one ``remap`` would make, though no side file is written.
+    it: the plan is the one ``remap`` would make, though no side file is written. ``cancel``
+    (a ``threading.Event`` or a callable, as for :func:`remap`) is checked before each tensor:
+    once it is set, the next step raises :class:`~weightmap.errors.Cancelled` and the input is
+    closed.
     """
+    token = as_token(cancel)
     rules = resolve_mapping(preset, mapping)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
     ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
@@ -415,4 +433,4 @@ def iter_tensors(
         ckpt.close()
         raise
     make_room(len(ckpt.files))  # (a view of each input shard stays mapped while yielding)
-    return iter_outputs(plan, ckpt)
+    return iter_outputs(plan, ckpt, token)

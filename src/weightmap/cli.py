@@ -11,8 +11,11 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Collection, Sequence
+import threading
+import time
+from collections.abc import Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -20,6 +23,7 @@ from typing import Any, TextIO, cast
 from weightmap.api import compile as compile_plan_for
 from weightmap.api import invert, open_checkpoint, recover, remap
 from weightmap.errors import (
+    Cancelled,
     CheckpointError,
     CompileError,
     MappingError,
@@ -30,6 +34,7 @@ from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
 from weightmap.fs.atomic import remove_path, temporaries
+from weightmap.fs.cancel import CancelToken, hand_off_releases
 from weightmap.inputs.diff import diff_checkpoints
 from weightmap.language import ast as A
 from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
@@ -137,6 +142,36 @@ def _summary(plan: Plan) -> str:
     )
 
 
+class _ProgressLines:
+    """Progress as lines on stderr, where it is not a terminal (a log file, a pipe): a bar
+    there would be one line rewritten, so a long run would show nothing until its end.
+
+    A line at each tenth of the work (and every 30 s between tenths), once the writing has
+    lasted half a second: a shorter run prints none.
+    """
+
+    QUIET_SECONDS = 0.5
+    EVERY_SECONDS = 30.0
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._shown = 0  # tenths
+        self._last = 0.0
+        self._lock = threading.Lock()  # (called from the writer threads)
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._start is None:
+                self._start = self._last = now
+            tenths = done * 10 // total if total else 10
+            if now - self._start < self.QUIET_SECONDS or tenths >= 10:
+                return
+            if tenths > self._shown or now - self._last >= self.EVERY_SECONDS:
+                self._shown, self._last = max(tenths, self._shown), now
+                _err(f"weightmap: {done * 100 // total}% ({_human(done)} of {_human(total)})")
+
+
 def _warn(plan: Plan) -> None:
     for w in plan.warnings:
         _err(f"weightmap: warning: {w}")
@@ -152,11 +187,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not (args.inplace or args.dry_run) and args.dst is None:
         raise UsageError("give DST (the output folder), or --inplace / --dry-run")
     quiet = args.quiet
-    progress: bool | None = False if (args.no_progress or quiet) else None
+    progress: bool | _ProgressLines | None = False if (args.no_progress or quiet) else None
+    if progress is None and not sys.stderr.isatty():
+        progress = _ProgressLines()
 
     def show(plan: Plan) -> None:
-        # Before any work, so the summary and warnings come before the progress bar.
-        _warn(plan)
+        # Before any work, so the summary and warnings come before the progress bar (a dry
+        # run's plan table lists them itself: said once).
+        if quiet or not args.dry_run:
+            _warn(plan)
         if args.check_loads is not None:  # refused here, before a byte is written
             report = check_loads(plan, args.check_loads, trust_remote_code=args.trust_remote_code)
             report.raise_for_problems()
@@ -183,6 +222,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         layout=args.layout,
         executor="ray" if args.ray or args.ray_address else "local",
         ray_address=args.ray_address,
+        cancel=args.cancel,
     )
     if not quiet:
         print(result)
@@ -211,7 +251,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             )
         print(json.dumps(doc, indent=2))
         return 0
-    _warn(plan)
+    # (The plan table lists the warnings itself: said once, not on stderr too.)
     print(_summary(plan))
     print(plan.explain())
     return 0
@@ -263,8 +303,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    # Side files compared between two folders only (a file given alone has no side files).
+    folders = Path(args.a).is_dir() and Path(args.b).is_dir()
     with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
-        d = diff_checkpoints(a, b)
+        d = diff_checkpoints(a, b, side_files=folders)
     for name in d.only_a:
         print(f"only in A: {one_line(name)}")
     for name in d.only_b:
@@ -275,6 +317,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         print(f"bytes differ: {one_line(name)}")
     for line in d.config:
         print(f"config {one_line(line)}")
+    for line in d.files:
+        print(f"file {one_line(line)}")
     # Each kind counted apart: a renamed tensor is one only in A and one only in B, not two
     # of one kind, and a sum would count it twice against the tensors either side holds.
     kinds = [
@@ -283,6 +327,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         (len(d.changed), "with another dtype or shape"),
         (len(d.bytes_differ), "with other bytes"),
         (len(d.config), "config difference(s)"),
+        (len(d.files), "side file difference(s)"),
     ]
     print(
         f"{d.equal} tensor{'' if d.equal == 1 else 's'} identical"
@@ -536,21 +581,41 @@ def _allow_code_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _examples(*lines: str) -> str:
+    """A command's ``--help`` epilog: its examples, one per line."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightmap", description="Remap tensor checkpoints between frameworks."
     )
     debug_help = "show the traceback of an error (or WEIGHTMAP_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
+    # (The package is imported before any of its modules: its version is there to read.)
+    version = getattr(sys.modules.get("weightmap"), "__version__", "unknown")
+    parser.add_argument("--version", action="version", version=f"weightmap {version}")
     # --debug after the command too (`weightmap inspect X --debug`), as people type it: each
     # command takes it, and SUPPRESS leaves the top-level value alone where it is not given.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    add_parser = partial(sub.add_parser, parents=[common])
+    # (RawDescription: the examples' lines stay as they are written.)
+    add_parser = partial(
+        sub.add_parser, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
-    p = add_parser("convert", help="convert a checkpoint with a preset or a mapping")
+    p = add_parser(
+        "convert",
+        help="convert a checkpoint with a preset or a mapping",
+        epilog=_examples(
+            "weightmap convert examples/eagle3-speculators out/sglang --preset eagle3-sglang",
+            "weightmap convert ./llama out/llama-bf16 --mapping cast.wm --verify",
+            "weightmap convert org/name@main out/x --preset NAME --dry-run",
+            "weightmap convert ./llama --inplace --mapping rename.wm",
+        ),
+    )
     p.add_argument("src", help=_SRC_HELP)
     p.add_argument("dst", nargs="?", help="output folder (not with --inplace)")
     _mapping_args(p)
@@ -575,7 +640,10 @@ def _parser() -> argparse.ArgumentParser:
         "mounts at the same path",
     )
     p.add_argument(
-        "--ray-address", metavar="ADDRESS", default=None, help="the Ray cluster's (implies --ray)"
+        "--ray-address",
+        metavar="ADDRESS",
+        default=None,
+        help="the Ray cluster's address, host:port or ray://host:port (implies --ray)",
     )
     p.add_argument(
         "--layout",
@@ -594,7 +662,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_convert)
 
-    p = add_parser("plan", help="show what a conversion would do, writing nothing")
+    p = add_parser(
+        "plan",
+        help="show what a conversion would do, writing nothing",
+        epilog=_examples(
+            "weightmap plan examples/eagle3-speculators --preset eagle3-sglang",
+            "weightmap plan ./llama --mapping my.wm --json",
+        ),
+    )
     p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
@@ -602,12 +677,20 @@ def _parser() -> argparse.ArgumentParser:
     _allow_code_arg(p)
     p.set_defaults(func=_cmd_plan)
 
-    p = add_parser("inspect", help="list a checkpoint's tensors")
+    p = add_parser(
+        "inspect",
+        help="list a checkpoint's tensors",
+        epilog=_examples("weightmap inspect ./llama", "weightmap inspect model.safetensors --json"),
+    )
     p.add_argument("checkpoint", help=_SRC_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_inspect)
 
-    p = add_parser("diff", help="compare two checkpoints (exit 1 if they differ)")
+    p = add_parser(
+        "diff",
+        help="compare two checkpoints (exit 1 if they differ)",
+        epilog=_examples("weightmap diff ./llama out/llama-roundtrip"),
+    )
     p.add_argument("a", help="the first checkpoint (" + _SRC_HELP + ")")
     p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
@@ -626,6 +709,11 @@ def _parser() -> argparse.ArgumentParser:
         "check",
         help="parse a mapping, and compile it against a checkpoint; or (--loads) check that a "
         "checkpoint loads",
+        epilog=_examples(
+            "weightmap check my.wm",
+            "weightmap check eagle3-sglang ./drafter",
+            "weightmap check ./converted --loads transformers",
+        ),
     )
     p.add_argument(
         "mapping",
@@ -642,7 +730,11 @@ def _parser() -> argparse.ArgumentParser:
     _allow_code_arg(p)
     p.set_defaults(func=_cmd_check)
 
-    p = add_parser("invert", help="print the inverse of a mapping (file or preset)")
+    p = add_parser(
+        "invert",
+        help="print the inverse of a mapping (file or preset)",
+        epilog=_examples("weightmap invert my.wm", "weightmap invert eagle3-sglang ./drafter"),
+    )
     p.add_argument("mapping", help=_MAPPING_HELP)
     p.add_argument(
         "checkpoint",
@@ -657,7 +749,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_invert)
 
-    p = add_parser("clean", help="remove what killed runs left in a folder")
+    p = add_parser(
+        "clean",
+        help="remove what killed runs left in a folder",
+        epilog=_examples("weightmap clean ./llama", "weightmap clean out"),
+    )
     p.add_argument(
         "path", help="a checkpoint folder, or the folder an output was being written into"
     )
@@ -673,17 +769,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = cast(TextIO, _Printable(stdout))
     try:
-        return _run(args, debug)
+        code = _run(args, debug)
     finally:
         sys.stdout = stdout
+    if args.cancel.signal is not None:
+        # Stopped by a signal, its clean-up done: the process ends now, not after the second
+        # the interpreter takes to unload torch (a stop must take well under a second).
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# The signals that stop a command: Ctrl-C, and what `kill`, systemd and Kubernetes send.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(token: CancelToken) -> Iterator[None]:
+    """While the command runs, the first SIGINT or SIGTERM cancels ``token``, says so at once
+    and raises KeyboardInterrupt in this thread; the run's loops stop at their next chunk,
+    and the temporaries go as the exception unwinds. Later signals only wait for that (a
+    second exception would cut the clean-up short). The previous handlers come back after.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (handlers can only be set in the main thread; a caller there keeps its own)
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        if token.cancelled:
+            return
+        token.cancel(signum)
+        hand_off_releases()  # the output's pages are freed after the exit (fs/cancel.py)
+        # Written straight to the descriptor: a signal handler may run in the middle of a
+        # write to sys.stderr (the progress bar), which a second write there would refuse.
+        with contextlib.suppress(OSError):
+            os.write(2, b"\nweightmap: interrupting...\n")
+        if not token.shielding:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _interrupted(token: CancelToken) -> int:
+    """The exit code of a stopped command: 128 + the signal, as a shell reports it."""
+    return 128 + (token.signal or signal.SIGINT)
 
 
 def _run(args: argparse.Namespace, debug: bool) -> int:
     """The command, its known errors as a line on stderr and an exit code."""
+    token = args.cancel = CancelToken()
     try:
-        code: int = args.func(args)
-        # Flushed here, not at exit, so that a closed pipe is caught below.
-        sys.stdout.flush()
+        with _stop_on_signals(token):
+            code: int = args.func(args)
+            # Flushed here, not at exit, so that a closed pipe is caught below.
+            sys.stdout.flush()
+        if token.cancelled:
+            # The signal came while a stretch that must finish ran (an in-place rename's
+            # journal replay): it finished, and said so above.
+            _err("weightmap: interrupted after the work was committed; it is complete")
+            return _interrupted(token)
         return code
     except BrokenPipeError:
         # `weightmap inspect ... | head` closes the pipe early; that is not an error. Whatever
@@ -694,6 +845,9 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return 0
+    except (KeyboardInterrupt, Cancelled):
+        _err("weightmap: interrupted; nothing was committed")
+        return _interrupted(token)
     except (UsageError, MappingSyntaxError, MappingError) as exc:
         if debug:
             raise
@@ -711,9 +865,6 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             raise
         _err(f"weightmap: error: {exc}")
         return 2
-    except KeyboardInterrupt:
-        _err("weightmap: interrupted; nothing was committed")
-        return 130
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "Cancelled",
     "CheckpointError",
     "CompileError",
     "ExecutionError",
@@ -120,6 +121,12 @@ class CompileError(MappingError):
 
 class ExecutionError(WeightmapError, OSError):
     """Writing the output failed; the destination was left as it was."""
+
+
+class Cancelled(WeightmapError):
+    """Stopping was asked (``remap(..., cancel=...)``, ``iter_tensors(..., cancel=...)``, or a
+    signal to the command line) and the run stopped at its next chunk: nothing was committed,
+    temporaries were removed, and the destination was left as it was."""
 
 
 class OutputExistsError(ExecutionError, FileExistsError):

@@ -24,6 +24,7 @@ from weightmap.execute.verify import check_output
 from weightmap.format.layout import Layouts, check_layout, parse_size
 from weightmap.format.text import human_size
 from weightmap.format.writer import CheckpointWriter, check_destination
+from weightmap.fs.cancel import CancelToken
 from weightmap.fs.fdlimit import has_room, make_room
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
@@ -104,6 +105,7 @@ class WriteOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     layout: Layouts = "clone"
     ray_address: str | None = None
+    cancel: CancelToken | None = None
 
 
 # ---------------------------------------------------------------- the modes
@@ -124,11 +126,14 @@ def run_dry(
     return Result(plan=plan, dest=out, dry_run=True)
 
 
-def run_inplace(plan: Plan, ckpt: Checkpoint, start: float) -> Result:
-    """Rewrite the headers of a rename-only plan where they are, locked and journaled."""
+def run_inplace(
+    plan: Plan, ckpt: Checkpoint, start: float, cancel: CancelToken | None = None
+) -> Result:
+    """Rewrite the headers of a rename-only plan where they are, locked and journaled
+    (``cancel``: checked up to the journal's commit; the replay after it always finishes)."""
     from weightmap.execute.inplace import rewrite_inplace  # (rarely used: imported here)
 
-    files = rewrite_inplace(plan, ckpt)
+    files = rewrite_inplace(plan, ckpt, cancel=cancel)
     return Result(
         plan=plan,
         dest=ckpt.root,
@@ -202,6 +207,7 @@ def _write(
             metadata={"format": "pt", **ckpt.metadata},
             before_commit=before_commit,
             layout=options.layout,
+            cancel=options.cancel,
         )
     finally:
         close()

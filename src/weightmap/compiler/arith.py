@@ -78,9 +78,12 @@ def _dtype(word: str | None, default: str, what: str, allowed: frozenset[str]) -
 
 def _float_input(spec: TensorSpec) -> None:
     if spec.dtype not in FLOAT_CASTS:
+        # (No "cast it first": casts go between float types or between integer types, so the
+        # compiler would refuse that cast too.)
         raise RuleProblem(
             f"`{spec.name}` is {spec.dtype}: arithmetic runs on float tensors only "
-            f"({', '.join(sorted(FLOAT_CASTS))}); cast it first if that is what you mean"
+            f"({', '.join(sorted(FLOAT_CASTS))}), and a {spec.dtype} tensor cannot be cast to "
+            "one; leave it out of this rule (a narrower pattern, or `where dtype == ...`)"
         )
 
 

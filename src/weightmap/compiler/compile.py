@@ -10,10 +10,12 @@ Problems are collected all the way and raised together as one :class:`CompileErr
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import json
 import operator
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, cast
@@ -262,6 +264,16 @@ def _compile(
         where,
         allow_code=allow_code,
     )
+    if files is None:
+        # No side files are carried (one file given, or side files off): a block's drops and
+        # renames have nothing to act on, but an added file would have been written.
+        added = [x for block in flat.files for x in block.stmts if x.op == "add"]
+        if added:
+            c.warnings.append(
+                f'{added[0].loc}: files {{ add "{added[0].name}" ... }} is skipped: no side '
+                "files are written when the input is a single file (or side files are off); "
+                "give the checkpoint's folder to write it"
+            )
     check_names(outputs, c.report)
     c.warnings += stale_dtype_fields(outputs, config, out_config)
     if c.problems:
@@ -369,6 +381,7 @@ class _Step:
                 build(self.rule, m, self.scope, self.emit)
             except LocatedProblem as p:  # shapes, dims, or an output name's template
                 self.report(p.loc, p.message)
+                self.ws.failed_rules.add(self.rule.loc)
         self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")
 
     def renames(self, taken: list[tuple[Item, Match]], problems: Problems) -> None:
@@ -447,6 +460,21 @@ class _Step:
         self.ws.record_later(history)
 
 
+_HOLE = re.compile(r"\{[^{}]*\}")
+_NUMBER = re.compile(r"\d+")
+
+
+def _like(pattern: A.Pattern, names: Iterable[str]) -> str:
+    """``"; did you mean a name like `x`?"`` for the tensor whose shape of name (numbers as
+    holes) is closest to the pattern's (holes as holes): `model.layer.{n}` vs `layers.0`."""
+    shape = _HOLE.sub("#", pattern.text)
+    shapes: dict[str, str] = {}
+    for name in names:
+        shapes.setdefault(_NUMBER.sub("#", name), name)
+    close = difflib.get_close_matches(shape, list(shapes), n=1, cutoff=0.75)
+    return f"; did you mean a name like `{shapes[close[0]]}`?" if close else ""
+
+
 def _nothing(
     ws: WorkingSet,
     rule: A.Rule,
@@ -459,6 +487,8 @@ def _nothing(
     if rule.optional or r in ws.failed_filters:
         return
     for p in patterns:
+        if ws.taken_by_failed_rule(p):
+            continue
         why = ws.explain_nothing(p)
         if why is not None and p.is_literal:
             report(p.loc, f"input `{p.text}` is consumed twice: {why}")
@@ -478,7 +508,7 @@ def _nothing(
         else:
             report(
                 p.loc,
-                f'pattern "{p.text}" matches no input tensor '
+                f'pattern "{p.text}" matches no input tensor{_like(p, ws.alive)} '
                 f"(write `{rule.op}?` if that is expected)",
             )
 

@@ -122,6 +122,9 @@ class WorkingSet:
     # expert of a checkpoint.
     history: list[_History | Callable[[], _History]] = field(default_factory=list)
     failed_filters: set[int] = field(default_factory=set)
+    # Rules (by location) that failed on a tensor they took: it went nowhere, but nothing
+    # dropped it, and a later rule's "matches nothing" must not say it did.
+    failed_rules: set[A.Loc] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.buckets = [[] for _ in self.router.rules]
@@ -250,20 +253,33 @@ class WorkingSet:
         self.alive[item.spec.name] = item
         self.place(item, r + 1)
 
-    def explain_nothing(self, pattern: A.Pattern) -> str | None:
-        """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
+    def _first_taken(self, pattern: A.Pattern) -> tuple[str, A.Loc, str] | None:
+        """A name of ``pattern`` that an earlier rule took: the name, the rule, what it became."""
         taken = self.taken
         if pattern.is_literal:
-            hit = taken.get(pattern.text)
-            names = [pattern.text] if hit is not None else []
+            names = [pattern.text] if pattern.text in taken else []
         else:
             rx = compile_pattern(pattern)
             names = [n for n in taken if rx.fullmatch(n)][:1]
         if not names:
             return None
         rule, became = taken[names[0]]
+        return names[0], rule, became
+
+    def taken_by_failed_rule(self, pattern: A.Pattern) -> bool:
+        """True when a rule that failed took the tensor ``pattern`` names: its own error says
+        all there is, and "matches nothing" after it would be a second error for one cause."""
+        hit = self._first_taken(pattern)
+        return hit is not None and not hit[2] and hit[1] in self.failed_rules
+
+    def explain_nothing(self, pattern: A.Pattern) -> str | None:
+        """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
+        hit = self._first_taken(pattern)
+        if hit is None:
+            return None
+        name, rule, became = hit
         what = "dropped it" if not became else f"made it `{became}`"
-        return f"`{names[0]}` was taken by the rule at {rule}, which {what}"
+        return f"`{name}` was taken by the rule at {rule}, which {what}"
 
 
 def _collision(item: Item, other: Item) -> str:

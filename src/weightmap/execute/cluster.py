@@ -35,6 +35,7 @@ from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, ProgressFn, check_inputs, check_workers
 from weightmap.format.text import redacted
 from weightmap.format.writer import CheckpointWriter
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
@@ -167,6 +168,7 @@ def execute_on_ray(
     address: str | None = None,
     workers: int | None = None,
     max_retries: int = 3,
+    cancel: CancelToken | None = None,
     **options: Any,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Write ``plan`` applied to ``ckpt`` into ``dest`` with tasks on a Ray cluster.
@@ -177,7 +179,8 @@ def execute_on_ray(
     those of ``distributed.execute_tasks`` (those of ``streaming.execute``; ``chunk_bytes``
     bounds the memory of computed tensors in each task). The input checkpoint and ``dest``
     must be on a filesystem that every node mounts at the same path. The output is byte for
-    byte the local executor's.
+    byte the local executor's. Once ``cancel`` is cancelled (or the driver is interrupted),
+    the tasks are cancelled within one poll and the temporary folder removed.
     """
     ray = _import_ray()
     check_inputs(plan, ckpt)
@@ -187,7 +190,7 @@ def execute_on_ray(
         slots = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
 
         def run(tasks: list[TaskSpec], progress: ProgressFn | None) -> list[TaskReport]:
-            return _run(ray, tasks, slots, progress, max_retries, str(dest))
+            return _run(ray, tasks, slots, progress, max_retries, str(dest), cancel)
 
         return execute_tasks(plan, ckpt, dest, run=run, slots=slots, **options)
     finally:
@@ -202,8 +205,10 @@ def _run(
     progress: ProgressFn | None,
     max_retries: int,
     dest: str,
+    cancel: CancelToken | None = None,
 ) -> list[TaskReport]:
-    """Run the tasks, at most ``slots`` at once, in order; their reports."""
+    """Run the tasks, at most ``slots`` at once, in order; their reports. ``cancel`` is
+    checked at each poll: once it is cancelled, the tasks are cancelled (``_stop``)."""
     remote = ray.remote(
         num_cpus=1,
         max_retries=max_retries,
@@ -220,6 +225,8 @@ def _run(
     shown = 0
     try:
         while queue or pending:
+            if cancel is not None:
+                cancel.check()
             while queue and len(pending) < slots:
                 spec = queue.pop()
                 pending[remote.remote(spec, actor)] = spec

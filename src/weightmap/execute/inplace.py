@@ -37,6 +37,7 @@ from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
 from weightmap.format.text import read_json_file, same_json
 from weightmap.fs.atomic import fsync_dir, temporary_path
+from weightmap.fs.cancel import CancelToken
 from weightmap.fs.lock import folder_lock
 from weightmap.inputs.checkpoint import Checkpoint, resolve_shard
 from weightmap.plan.nodes import Source
@@ -169,12 +170,19 @@ def check_files_stay(plan: Plan, present: Iterable[str]) -> None:
         )
 
 
-def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
+def rewrite_inplace(
+    plan: Plan, ckpt: Checkpoint, *, cancel: CancelToken | None = None
+) -> list[Path]:
     """Apply a rename-only plan to ``ckpt``'s files in place; returns the files changed.
 
     Under the folder's exclusive lock, before the first write: the checkpoint must still be
     the one the plan was made from (another rename may have finished in between), and every
     file to be rewritten or replaced must be writable.
+
+    ``cancel`` is checked last before the journal is written, where stopping changes nothing;
+    from the journal on, the rewrite is one shielded stretch of a few small writes, which a
+    signal to the command line does not cut (an interrupt that gets in all the same, as
+    Python's default Ctrl-C may, leaves the journal, which ``recover`` finishes).
     """
     headers = inplace_headers(plan, ckpt)
     root = ckpt.root
@@ -201,14 +209,17 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             )
         work = Journal(dict(headers), journal["index"], journal["config"])
         _check_writable(root, work, "rename in place")
-        try:
-            _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
-            fsync_dir(root)
-        except OSError as exc:
-            raise ExecutionError(
-                f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
-            ) from exc
-        _replay(root, work)
+        token = cancel or CancelToken()  # (the caller's own: its handlers see the shield)
+        token.check("the in-place rename")
+        with token.shielded():
+            try:
+                _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
+                fsync_dir(root)
+            except OSError as exc:
+                raise ExecutionError(
+                    f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
+                ) from exc
+            _replay(root, work)
     return list(headers)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from weightmap.execute.chunks import tree_nodes
 from weightmap.execute.kernels import evaluate
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint, check_torch_shape
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
@@ -38,8 +39,11 @@ def check_torch_shapes(plan: Plan) -> None:
             check_torch_shape(where, node.shape)
 
 
-def iter_outputs(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield each output of ``plan`` computed over ``ckpt``'s views; closes ``ckpt`` at the end.
+def iter_outputs(
+    plan: Plan, ckpt: Checkpoint, cancel: CancelToken | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each output of ``plan`` computed over ``ckpt``'s views; closes ``ckpt`` at the end
+    (``cancel``: checked before each output; once cancelled, ``Cancelled`` is raised there).
 
     Outputs are independent tensors, as ``remap`` writes them: one that would share memory
     with an output yielded before (a ``copy`` of a tensor that also goes on as it is: both
@@ -52,6 +56,8 @@ def iter_outputs(plan: Plan, ckpt: Checkpoint) -> Iterator[tuple[str, torch.Tens
     spans: dict[str, list[tuple[int, int]]] = {}  # shared source -> memory yielded from it
     try:
         for out in plan.outputs:
+            if cancel is not None:
+                cancel.check("reading the tensors")
             t = evaluate(out.node, ckpt.view, out.name)
             if not t.is_contiguous():
                 t = t.contiguous()

@@ -22,7 +22,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -34,7 +34,9 @@ from weightmap.execute.compute import Computer
 from weightmap.execute.sources import plan_writer
 from weightmap.format.layout import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.plan.nodes import Source
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = [
@@ -121,11 +123,16 @@ def check_unchanged(ckpt: Checkpoint) -> None:
 
 
 class _Stats:
-    """Thread-safe counters behind ExecutionStats, and the progress callback."""
+    """Thread-safe counters behind ExecutionStats, and the progress callback.
 
-    def __init__(self, checksum: bool, progress: ProgressFn | None) -> None:
+    Every chunk computed and every piece moved is counted here as it ends: the boundary where
+    a run that was asked to stop (``halt``) stops.
+    """
+
+    def __init__(self, checksum: bool, progress: ProgressFn | None, halt: CancelToken) -> None:
         self.stats = ExecutionStats(checksums={} if checksum else None)
         self.progress = progress
+        self.halt = halt
         self._lock = threading.Lock()
 
     def add(self, n: int, kind: str) -> None:
@@ -134,6 +141,7 @@ class _Stats:
             setattr(self.stats, name, getattr(self.stats, name) + n)
         if self.progress is not None:
             self.progress(n)
+        self.halt.check()
 
 
 def _batches(items: Iterable[T], weight: Callable[[T], int], limit: int) -> Iterator[list[T]]:
@@ -150,13 +158,15 @@ def _batches(items: Iterable[T], weight: Callable[[T], int], limit: int) -> Iter
         yield batch
 
 
-def _compute(computer: Computer, outputs: list[OutputTensor]) -> None:
+def _compute(computer: Computer, outputs: list[OutputTensor], halt: CancelToken) -> None:
     for out in outputs:
+        halt.check()
         computer.run(out.name, out.node)
 
 
 def _transfer(writer: CheckpointWriter, pieces: list[Piece], counts: _Stats) -> None:
     for piece in pieces:
+        counts.halt.check()
         counts.add(piece.length, "cloned" if writer.transfer(piece) else "copied")
 
 
@@ -190,21 +200,43 @@ def descriptors() -> Iterator[dict[Path, int]]:
             os.close(fd)
 
 
-def _checksum(names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int]) -> None:
+def _checksum(
+    names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int], halt: CancelToken
+) -> None:
     """CRC-32 of copied tensors, read from their input ranges."""
     with descriptors() as fds:
         for name, ranges in names:
+            halt.check()
             into[name] = crc_of_ranges(ranges, fds)
 
 
-def _run_all(tasks: Sequence[Callable[[], None]], workers: int) -> None:
+def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToken) -> None:
+    """Run the tasks on ``workers`` threads; the first failure (a task's error, ``Cancelled``,
+    or a ``KeyboardInterrupt`` in this thread) stops the others at their next chunk.
+
+    Leaving a ``ThreadPoolExecutor`` block waits for every task queued, which on a large
+    conversion is minutes: the queued ones are cancelled instead, and ``halt`` stops the ones
+    running at their next boundary, so that the caller sees the failure within one chunk.
+    """
     if workers == 1:
         for task in tasks:
+            halt.check()
             task()
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="weightmap") as pool:
-        for f in [pool.submit(task) for task in tasks]:
-            f.result()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="weightmap")
+    try:
+        futures = [pool.submit(task) for task in tasks]
+        # Woken by the first failure, not by the first future in order (which may be the
+        # largest tensor, still running).
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done():
+                f.result()
+    except BaseException:
+        halt.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def execute(
@@ -222,6 +254,7 @@ def execute(
     extra_files: Sequence[tuple[str, bytes]] = (),
     before_commit: Callable[[Path, ExecutionStats], None] | None = None,
     layout: Layouts = "clone",
+    cancel: CancelToken | None = None,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Write ``plan`` applied to ``ckpt`` into ``dest`` atomically; see the module docstring.
 
@@ -231,12 +264,19 @@ def execute(
     reads are unmapped as it goes, so it must not have handed out views.
     ``before_commit(folder, stats)`` is called with the finished temporary folder before it is
     moved into place; if it raises, nothing is committed (``remap`` verifies there).
+    ``cancel``: once it is cancelled, the run stops at its next chunk with ``Cancelled``, the
+    temporary folder removed.
     """
     check_inputs(plan, ckpt)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     check_workers(workers)
     n_workers = default_workers() if workers is None else workers
+    if any(not isinstance(out.node, Source) for out in plan.outputs):
+        # Imported here, in the caller's thread, not by the first chunk of each writer
+        # thread: an import cannot be interrupted in another thread, and torch's takes
+        # seconds on a busy machine, during which Ctrl-C would wait for it.
+        import torch  # noqa: F401
     writer, sources = plan_writer(
         plan,
         ckpt,
@@ -250,7 +290,10 @@ def execute(
     # (Sizes asked of the computed ones only: a rename computes nothing, and asks nothing of
     # where its inputs are beyond the copies the writer planned.)
     computed = sorted(sources.computed(), key=lambda o: -o.spec.nbytes)
-    counts = _Stats(checksum, progress)
+    # This run's own token: a failed task stops the others through it, without cancelling
+    # the caller's.
+    halt = CancelToken(cancel)
+    counts = _Stats(checksum, progress, halt)
     computer = Computer(
         ckpt,
         writer,
@@ -268,7 +311,7 @@ def execute(
             # Computed tensors first, biggest first, so one large tensor does not finish last;
             # small ones in batches. The copies follow in output order.
             for batch in _batches(computed, lambda o: o.spec.nbytes, COPY_PIECE):
-                tasks.append(partial(_compute, computer, batch))
+                tasks.append(partial(_compute, computer, batch, halt))
             for pieces in _batches(
                 writer.pieces(), lambda p: _CLONE_WEIGHT if p.clone else p.length, COPY_PIECE
             ):
@@ -276,8 +319,9 @@ def execute(
             if counts.stats.checksums is not None:
                 ranges = [(name, sources.ranges(name)) for name in sources.copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
-                    tasks.append(partial(_checksum, group, counts.stats.checksums))
-            _run_all(tasks, n_workers)
+                    tasks.append(partial(_checksum, group, counts.stats.checksums, halt))
+            _run_all(tasks, n_workers, halt)
+            halt.check()
             # An input rewritten under us may have fed some tensors old bytes and some new:
             # only an input unchanged from start to end gives an output worth committing.
             check_unchanged(ckpt)

@@ -55,6 +55,7 @@ from weightmap.fs.atomic import (
     stale_temporaries,
     temporary_path,
 )
+from weightmap.fs.cancel import keep_open_elsewhere
 
 __all__ = [
     "CheckpointWriter",
@@ -295,6 +296,11 @@ class CheckpointWriter:
         except OSError as exc:
             self.abort()
             raise ExecutionError(f"{self.dest}: cannot create the output ({exc})") from exc
+        except BaseException:
+            # An interrupt while the shards are made (a KeyboardInterrupt): a failed __enter__
+            # gets no __exit__, so what was made goes here.
+            self.abort()
+            raise
 
     def _probe_clones(self) -> None:
         """Find out, once per input filesystem, whether its blocks can be shared with ours.
@@ -348,6 +354,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
         self._close_inputs()
+        keep_open_elsewhere(self._fds)  # (only once a signal stopped the command line)
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -31,6 +31,7 @@ from weightmap.fs.lock import folder_lock
 from weightmap.inputs.opening import read_folder_json
 from weightmap.inputs.pickles import PickleHeader, is_pickle, read_pickle, release_pages
 from weightmap.inputs.sidefiles import cache_blobs, resolve_path
+from weightmap.inputs.sniff import refuse_foreign, sniff
 
 if TYPE_CHECKING:
     import torch
@@ -464,10 +465,12 @@ class Checkpoint:
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
         for f in files:
             header: Header
-            if is_pickle(f):
+            kind = "pytorch" if is_pickle(f) else sniff(f)  # (by its bytes, whatever its name)
+            if kind == "pytorch":
                 # A shard an index names must stay in the folder, as it is opened too.
                 header, loaded[f] = read_pickle(f, root if index_path is not None else None)
             else:
+                refuse_foreign(f, kind)
                 header = read_header(f)
             headers[f] = header
             if not tensors.keys().isdisjoint(header.tensors):

@@ -9,8 +9,9 @@ from typing import Any
 
 from weightmap.format.text import field_path, same_json
 from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.sidefiles import list_side_files, open_side_file
 
-__all__ = ["CheckpointDiff", "config_diff", "diff_checkpoints"]
+__all__ = ["CheckpointDiff", "config_diff", "diff_checkpoints", "files_diff"]
 
 _BLOCK = 16 * 2**20  # bytes compared at a time: memory stays at two blocks
 
@@ -25,11 +26,22 @@ class CheckpointDiff:
     bytes_differ: list[str] = field(default_factory=list)
     equal: int = 0
     config: list[str] = field(default_factory=list)
+    # The folders' side files (tokenizer, generation config...): "- name" only in A, "+ name"
+    # only in B, "~ name" with other bytes; ``files_equal`` counts the identical ones.
+    files: list[str] = field(default_factory=list)
+    files_equal: int = 0
 
     @property
     def same(self) -> bool:
-        """True when the checkpoints hold the same tensors, bytes and config."""
-        return not (self.only_a or self.only_b or self.changed or self.bytes_differ or self.config)
+        """True when the checkpoints hold the same tensors, bytes, config and side files."""
+        return not (
+            self.only_a
+            or self.only_b
+            or self.changed
+            or self.bytes_differ
+            or self.config
+            or self.files
+        )
 
 
 def _json(value: Any) -> str:
@@ -90,8 +102,44 @@ def _same_bytes(a: Checkpoint, b: Checkpoint, name: str) -> bool:
         os.close(fb)
 
 
-def diff_checkpoints(a: Checkpoint, b: Checkpoint) -> CheckpointDiff:
-    """Tensors only in one, dtype/shape changes, byte differences, and config differences."""
+def _same_file(fa: int, fb: int, size: int) -> bool:
+    done = 0
+    while done < size:
+        n = min(_BLOCK, size - done)
+        if os.pread(fa, n, done) != os.pread(fb, n, done):
+            return False
+        done += n
+    return True
+
+
+def files_diff(a: Checkpoint, b: Checkpoint) -> tuple[list[str], int]:
+    """The side files of two checkpoint folders compared (as a conversion would carry them):
+    the differences as ``files`` lists them, and the number of identical files."""
+    la = {f.name: f.size for f in list_side_files(a.root).files}
+    lb = {f.name: f.size for f in list_side_files(b.root).files}
+    out = [f"- {n}" for n in sorted(set(la) - set(lb))]
+    out += [f"+ {n}" for n in sorted(set(lb) - set(la))]
+    equal = 0
+    for name in sorted(set(la) & set(lb)):
+        if la[name] == lb[name]:
+            fa = open_side_file(a.root, name, la[name])
+            try:
+                fb = open_side_file(b.root, name, lb[name])
+                try:
+                    if _same_file(fa, fb, la[name]):
+                        equal += 1
+                        continue
+                finally:
+                    os.close(fb)
+            finally:
+                os.close(fa)
+        out.append(f"~ {name}")
+    return out, equal
+
+
+def diff_checkpoints(a: Checkpoint, b: Checkpoint, *, side_files: bool = False) -> CheckpointDiff:
+    """Tensors only in one, dtype/shape changes, byte differences, and config differences;
+    with ``side_files``, the two folders' side files too (both must be folders)."""
     result = CheckpointDiff()
     ta, tb = a.tensors, b.tensors
     result.only_a = sorted(set(ta) - set(tb))
@@ -105,4 +153,6 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint) -> CheckpointDiff:
         else:
             result.bytes_differ.append(name)
     result.config = config_diff(a.config, b.config)
+    if side_files:
+        result.files, result.files_equal = files_diff(a, b)
     return result

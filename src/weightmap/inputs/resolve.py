@@ -8,21 +8,47 @@ compiled.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from weightmap.errors import CheckpointError
 from weightmap.inputs.sidefiles import FolderFiles, list_side_files
 
 if TYPE_CHECKING:
     from weightmap.inputs.checkpoint import Checkpoint
     from weightmap.inputs.hub import HubRepo
 
-__all__ = ["ResolvedInput"]
+__all__ = ["ResolvedInput", "check_local_path"]
 
 PathLike = str | os.PathLike[str]
+
+
+# What only a local path starts with: never a Hub id.
+_LOCAL_PREFIXES = ("./", "../", "/", "~")
+
+
+def check_local_path(given: str) -> None:
+    """Refuse a path that does not exist but is plainly meant as a local one: it starts with
+    ``./``, ``../``, ``/`` or ``~``, or its folder exists here (``sub/llama-bf1`` where
+    ``sub/`` is a folder). Taken for a Hub id, a typo would be looked up on the Hub, and the
+    error would be about the Hub. Names close to it in its folder are offered."""
+    path = Path(given)
+    if not (given.startswith(_LOCAL_PREFIXES) or ("/" in given and path.parent.is_dir())):
+        return
+    parent = path.expanduser().parent
+    try:
+        names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    except OSError:
+        names = []
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    shown = given.rstrip("/").rpartition("/")[0]
+    hint = f"; did you mean {shown}/{close[0]}?" if close else ""
+    nor = "" if parent.is_dir() else f" (nor is {parent} a folder)"
+    raise CheckpointError(f"no such file or folder{nor}{hint}", path=given, rule="missing")
 
 
 @dataclass
@@ -41,8 +67,11 @@ class ResolvedInput:
         """A local path as it is; a Hub id with its weights and config fetched (the cache
         first), its side files listed but not fetched."""
         given = os.fspath(checkpoint)
+        if given.startswith("~") and Path(given).expanduser().exists():
+            checkpoint = given = os.path.expanduser(given)  # (quoted, so no shell expanded it)
         if Path(given).exists():
             return cls(checkpoint, Path(given).is_dir())
+        check_local_path(given)
         # (imported here: huggingface_hub is an optional extra, slow to import)
         from weightmap.inputs.hub import HubRepo, looks_like_repo_id
 

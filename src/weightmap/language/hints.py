@@ -179,6 +179,30 @@ def _hint(text: str, pos: int, word: str, expected: set[str]) -> str | None:
     return None
 
 
+_RULE_IF = re.compile(
+    r"^[ \t]*(?:" + "|".join(get_args(A.RuleOp)) + r")\b[^\n#]*?[ \t](if)[ \t]+([^\n{]*?)[ \t]*$",
+    re.M,
+)
+
+
+def _rule_if(text: str, file: str, pos: int) -> None:
+    """A rule with ``if CONDITION`` on its line (`cast "**" to f16 if dtype == bf16`): read
+    as the rule, then an ``if`` block without its ``{``, so the error would come on the next
+    line. Said at the ``if``, with the rule as it is written."""
+    start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, pos))) + 1  # this line, the last
+    for m in _RULE_IF.finditer(text, start, pos):
+        line = text.count("\n", 0, m.start(1)) + 1
+        col = m.start(1) - (text.rfind("\n", 0, m.start(1)) + 1) + 1
+        rule = text[m.start(0) : m.start(1)].strip()
+        syntax_error(
+            text,
+            A.Loc(file, line, col),
+            "a rule's condition is written with `where`, not `if`",
+            f"did you mean `where`? `{rule} where {m.group(2)}` (`if CONDITION {{ ... }}` is a "
+            "block of rules)",
+        )
+
+
 def lark_error(text: str, file: str, exc: UnexpectedInput) -> NoReturn:
     parser = grammar.parser()
     line, col = max(exc.line, 1), max(exc.column, 1)
@@ -201,6 +225,8 @@ def lark_error(text: str, file: str, exc: UnexpectedInput) -> NoReturn:
     else:  # UnexpectedEOF
         expected = set(getattr(exc, "expected", ()) or ())
         word, what = "", "end of file"
+    if "LBRACE" in expected:
+        _rule_if(text, file, pos)
     loc = A.Loc(file, line, col)
     if line == 1 and col == 1 and not text.lstrip().startswith("weightmap"):
         syntax_error(

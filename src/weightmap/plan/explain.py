@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -32,7 +33,9 @@ from weightmap.plan.nodes import (
 )
 from weightmap.plan.parts import Dropped, OutputTensor, SideFile
 
-__all__ = ["Explainable", "config_diff", "explain", "side_files"]
+__all__ = ["Explainable", "config_diff", "explain", "natural_key", "side_files"]
+
+_DIGITS = re.compile(r"(\d+)")
 
 
 class Explainable(Protocol):
@@ -136,6 +139,11 @@ def _to(src: str, dst: str) -> str:
     return f" -> {dst}" if dst != src else ""
 
 
+def natural_key(name: str) -> tuple[str | int, ...]:
+    """Sort key reading runs of digits as numbers: ``layers.2`` before ``layers.10``."""
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(_DIGITS.split(name)))
+
+
 def explain(plan: Explainable) -> str:
     """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff."""
     inputs = {s.name: s for s in plan.inputs}
@@ -146,7 +154,8 @@ def explain(plan: Explainable) -> str:
         f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped"
     )
     rows = []
-    for out in plan.outputs:
+    # In the order a reader looks for a name (layers.2 before layers.10), not the file's.
+    for out in sorted(plan.outputs, key=lambda o: natural_key(o.name)):
         srcs = out.node.sources()
         first = inputs[srcs[0].name]
         # Names escaped before the widths are taken: one with a line break stays one row.
@@ -159,7 +168,7 @@ def explain(plan: Explainable) -> str:
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
-    for d in plan.dropped:
+    for d in sorted(plan.dropped, key=lambda d: natural_key(d.name)):
         lines.append(f"  dropped {one_line(d.name)}  ({d.origin})")
     lines += side_files(plan)
     for w in plan.warnings:

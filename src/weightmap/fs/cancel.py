@@ -1,0 +1,145 @@
+"""Stopping a run when asked: one token, handed from ``remap`` down to every loop that may
+run long (the writer threads' chunks, the Ray driver's polling, the in-place commit).
+
+The caller asks with a ``threading.Event`` it sets, or a zero-argument callable that returns
+True; the command line's signal handlers ask through the same token. Code that does long
+work calls :meth:`CancelToken.check` at each boundary (a chunk written, a piece copied, a
+tensor yielded), which raises :class:`~weightmap.errors.Cancelled` once stopping was asked.
+
+A short stretch that must not be cut in the middle (an in-place rename's journal replay) runs
+under :meth:`CancelToken.shielded`: the command line's handlers then only record the signal,
+and the stretch finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from weightmap.errors import Cancelled
+
+__all__ = ["CancelSource", "CancelToken", "as_token", "hand_off_releases", "keep_open_elsewhere"]
+
+CancelSource = threading.Event | Callable[[], bool]
+
+
+class CancelToken:
+    """Whether stopping was asked: by :meth:`cancel`, or by ``source`` (an event set, a
+    callable returning True; another token, for a token of one run inside a larger one)."""
+
+    def __init__(self, source: CancelSource | CancelToken | None = None) -> None:
+        self._event = threading.Event()
+        self._source = source
+        self._shields = 0
+        self._lock = threading.Lock()
+        # The signal that asked (set by the command line's handlers), for the exit code.
+        self.signal: int | None = None
+
+    def cancel(self, signal: int | None = None) -> None:
+        """Ask to stop (``signal``: the signal number that asked, if one did)."""
+        if signal is not None and self.signal is None:
+            self.signal = signal
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once stopping was asked, here or through the source."""
+        if self._event.is_set():
+            return True
+        source = self._source
+        if source is None:
+            return False
+        if isinstance(source, threading.Event):
+            return source.is_set()
+        if isinstance(source, CancelToken):
+            return source.cancelled
+        return bool(source())
+
+    def __call__(self) -> bool:
+        return self.cancelled
+
+    def check(self, what: str = "the conversion") -> None:
+        """Raise :class:`~weightmap.errors.Cancelled` if stopping was asked (outside a
+        shielded stretch)."""
+        if self.cancelled and not self.shielding:
+            raise Cancelled(f"{what} was cancelled; nothing was committed")
+
+    @property
+    def shielding(self) -> bool:
+        """True while a stretch that must finish runs (see :meth:`shielded`)."""
+        return self._shields > 0
+
+    @contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A stretch that must not be cut in the middle: signal handlers that honour the
+        token only record the signal until it ends (checks inside it do not raise either)."""
+        with self._lock:
+            self._shields += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._shields -= 1
+
+
+def as_token(cancel: CancelSource | CancelToken | None) -> CancelToken:
+    """The token for ``remap``'s ``cancel`` argument (a new one, never cancelled, for None);
+    TypeError for anything that cannot say whether to stop."""
+    if isinstance(cancel, CancelToken):
+        return cancel
+    if cancel is None or isinstance(cancel, threading.Event) or callable(cancel):
+        return CancelToken(cancel)
+    raise TypeError(
+        "cancel must be a threading.Event or a callable taking no arguments that returns "
+        f"True to stop, got {type(cancel).__name__}"
+    )
+
+
+# Set once the command line was told to stop by a signal: see keep_open_elsewhere.
+_hand_off = False
+
+
+def hand_off_releases() -> None:
+    """From now on, files removed after ``keep_open_elsewhere`` are released by another
+    process. Only the command line turns this on, once a signal stopped it: the process is
+    about to end, and nothing else of it waits for those files."""
+    global _hand_off
+    _hand_off = True
+
+
+def keep_open_elsewhere(fds: Sequence[int]) -> None:
+    """Where ``hand_off_releases`` was called: a child process keeps ``fds`` open until this
+    process has ended, then closes them. Nothing otherwise.
+
+    Removing a file of a stopped conversion frees its pages, and the kernel first waits for
+    every write already on its way to the disk (``start_writeback`` keeps hundreds of MB in
+    flight): seconds, in which the process could not exit. With the child holding the files,
+    the caller's unlink only removes their names, at once; the child, with nothing else open,
+    pays for the pages after this process is gone.
+    """
+    if not _hand_off or not fds or not hasattr(os, "fork"):
+        return
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return  # (then the caller releases the files itself, as without a signal)
+    if pid != 0:
+        return
+    try:  # the child: only system calls from here, and never a return into the caller
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        start = 0
+        for fd in sorted(set(fds)):  # everything else closed: the pipes of whoever started
+            os.closerange(start, fd)  # the command must see their end when it exits
+            start = fd + 1
+        os.closerange(start, 1 << 20)
+        deadline = time.monotonic() + 600
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os._exit(0)

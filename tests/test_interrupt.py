@@ -1,0 +1,372 @@
+"""Stopping when asked: a signal to the command line, ``cancel=`` from Python, Ctrl-C in a
+program that embeds the library, an in-place rename, and a Ray run.
+
+The command-line tests convert a checkpoint of a few hundred MB with a cast (computed, not a
+clone or a copy), measure a run to the end, and send the signal at several points of other
+runs: each must stop with the shell's code, say so, leave neither the destination nor a
+temporary folder, and end long before the run to the end would have.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import weightmap
+from weightmap import cli
+from weightmap.execute import cluster
+from weightmap.fs import cancel as fs_cancel
+from weightmap.fs.cancel import CancelToken, as_token
+from weightmap.inputs.checkpoint import Checkpoint
+
+# 64 tensors of 16 MiB of float32: 1 GiB in, 512 MiB of bfloat16 out (seconds of work on
+# two cores, a fraction of a second to stop).
+_TENSORS, _ROWS, _COLS = 64, 1024, 4096
+_RENAME = 'weightmap 1\nrename "layers.{i}.weight" -> "l.{i}.w"'
+# A transpose and a cast: computed in chunks, the slowest common work per byte.
+_CAST = 'weightmap 1\ntranspose "**"\ncast "**" to bf16\nconfig { torch_dtype = "bfloat16" }\n'
+
+
+@dataclass(frozen=True)
+class Big:
+    folder: Path
+    mapping: Path
+    work: float  # seconds from the output's temporary folder appearing to the end of a full run
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def _start(big: Big, dest: Path) -> subprocess.Popen[str]:
+    args = ["convert", str(big.folder), str(dest), "--mapping", str(big.mapping)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "weightmap", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_temporary(proc: subprocess.Popen[str], parent: Path, known: set[str]) -> float:
+    """The moment a new entry (the output's temporary folder) appears in ``parent``."""
+    while proc.poll() is None:
+        if _entries(parent) - known:
+            return time.monotonic()
+        time.sleep(0.005)
+    raise AssertionError(f"the conversion ended before it started writing: {proc.communicate()}")
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Big]:
+    root = tmp_path_factory.mktemp("interrupt")
+    folder = root / "big"
+    folder.mkdir()
+    block = np.full((_ROWS, _COLS), 1.5, dtype=np.float32)
+    save_file({f"layers.{i}.weight": block for i in range(_TENSORS)}, folder / "model.safetensors")
+    (folder / "config.json").write_text('{"torch_dtype": "float32"}')
+    mapping = root / "cast.wm"
+    mapping.write_text(_CAST)
+    # The run to the end, measured as the interrupted ones are: from its temporary folder.
+    work = Big(folder, mapping, 0.0)
+    dest = root / "full"
+    known = _entries(root)
+    proc = _start(work, dest)
+    began = _wait_for_temporary(proc, root, known)
+    _, err = proc.communicate(timeout=120)
+    ended = time.monotonic()
+    assert proc.returncode == 0, err
+    assert (dest / "model.safetensors").stat().st_size > _TENSORS * _ROWS * _COLS * 2
+    shutil.rmtree(dest)
+    yield Big(folder, mapping, ended - began)
+    shutil.rmtree(root)  # (hundreds of MB: not left for pytest's own clean-up)
+
+
+@pytest.mark.parametrize(
+    ("signum", "when"),
+    [
+        (signal.SIGINT, "planned"),  # the plan printed, torch still loading: nothing open yet
+        (signal.SIGINT, "started"),  # the temporary folder just made
+        (signal.SIGINT, "mid"),  # the first progress line (a tenth of the work or more done)
+        (signal.SIGTERM, "mid"),
+    ],
+)
+def test_a_signal_stops_the_conversion_at_once(
+    big: Big, tmp_path: Path, signum: signal.Signals, when: str
+) -> None:
+    dest = tmp_path / "out"
+    proc = _start(big, dest)
+    assert proc.stdout is not None and proc.stderr is not None
+    left = big.work  # what a run to the end still had to do when the signal was sent
+    if when == "planned":
+        assert proc.stdout.readline().startswith("plan: ")
+    elif when == "started":
+        _wait_for_temporary(proc, tmp_path, set())
+    else:
+        began = _wait_for_temporary(proc, tmp_path, set())
+        line = proc.stderr.readline()
+        done = re.fullmatch(r"weightmap: (\d+)% \(.*\)\n", line)
+        assert done is not None, line + proc.stderr.read()
+        # The rest at this run's own pace so far (the machine is shared: its pace varies), or
+        # at the full run's, whichever is less.
+        fraction = int(done[1]) / 100
+        pace = (time.monotonic() - began) / fraction
+        left = min(big.work, pace) * (1 - fraction)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    stopped = time.monotonic() - sent
+    assert proc.returncode == 128 + signum, (out, err)
+    assert "weightmap: interrupting...\n" in err
+    assert err.rstrip().endswith("weightmap: interrupted; nothing was committed")
+    assert "Traceback" not in err and " into " not in out  # (no summary of a finished run)
+    assert not dest.exists()
+    assert _entries(tmp_path) == set(), "a temporary was left behind"
+    # Stopped before finishing: the process ended well before a run to the end would have
+    # (the code before this test waited for every queued chunk, then for the release of what
+    # it had written). Not a fixed number: the machine is shared, its pace varies.
+    assert stopped < left / 2, f"{stopped:.2f} s to stop; a full run had {left:.2f} s left"
+
+
+def test_the_cli_puts_its_handlers_back() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert cli.main(["presets"]) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+@pytest.fixture
+def handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's signal handlers used in this process: what they switch on for the
+    rest of a stopped command (the hand-off of the output's files) is switched off after."""
+    monkeypatch.setattr(fs_cancel, "_hand_off", False)
+
+
+@pytest.mark.usefixtures("handlers")
+def test_the_cli_handler_waits_out_a_shielded_stretch() -> None:
+    token = CancelToken()
+    with cli._stop_on_signals(token):
+        with token.shielded():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # (the handler runs between two bytecodes; no exception here)
+            token.check()  # a check inside the stretch does not stop it either
+        assert token.cancelled and token.signal == signal.SIGTERM
+        with pytest.raises(weightmap.Cancelled):
+            token.check()
+    token = CancelToken()
+    with pytest.raises(KeyboardInterrupt), cli._stop_on_signals(token):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+    assert token.signal == signal.SIGINT
+
+
+# ---------------------------------------------------------------- from Python
+
+
+def _small(tmp_path: Path, n: int = 8) -> Path:
+    """Eight float32 tensors of 1 MiB: many chunks each at a small chunk_bytes."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    save_file(
+        {f"layers.{i}.weight": np.full((256, 1024), i, dtype=np.float32) for i in range(n)},
+        folder / "model.safetensors",
+    )
+    return folder
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("kind", ["event", "callable"])
+def test_cancel_from_a_progress_callback(tmp_path: Path, workers: int, kind: str) -> None:
+    src = _small(tmp_path)
+    event = threading.Event()
+    seen: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(done)
+        if done >= total * 0.3:
+            event.set()
+
+    cancel: Any = event if kind == "event" else event.is_set
+    with pytest.raises(weightmap.Cancelled, match="nothing was committed"):
+        weightmap.remap(
+            src,
+            tmp_path / "out",
+            mapping='weightmap 1\ncast "**" to f16',
+            progress=progress,
+            cancel=cancel,
+            workers=workers,
+            chunk_bytes=64 * 1024,
+        )
+    assert not (tmp_path / "out").exists()
+    assert _entries(tmp_path) == {"small"}
+    total = 8 * 256 * 1024 * 2
+    # Stopped within a chunk per thread of the request, far from the end.
+    assert max(seen) < total * 0.3 + workers * 64 * 1024
+    assert isinstance(weightmap.Cancelled("x"), weightmap.WeightmapError)
+
+
+def test_keyboard_interrupt_in_the_main_thread_stops_the_writer_threads(tmp_path: Path) -> None:
+    """Ctrl-C in a program that embeds the library (Python's own handler, no CLI): the
+    KeyboardInterrupt reaches the caller once the running chunks end, not after the queue."""
+    src = _small(tmp_path)
+    seen: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(done)
+        if len(seen) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, from a writer thread
+
+    with pytest.raises(KeyboardInterrupt):
+        weightmap.remap(
+            src,
+            tmp_path / "out",
+            mapping='weightmap 1\ncast "**" to f16',
+            progress=progress,
+            workers=2,
+            chunk_bytes=64 * 1024,
+        )
+    after = len(seen)
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightmap")]
+    time.sleep(0.1)
+    assert len(seen) == after  # nothing runs on
+    assert after < 8 * 256 * 1024 * 2 // (32 * 1024) // 2  # chunks of 32 KiB: far from all
+    assert _entries(tmp_path) == {"small"}
+
+
+def test_iter_tensors_stops_between_tensors(tmp_path: Path) -> None:
+    src = _small(tmp_path)
+    event = threading.Event()
+    tensors = weightmap.iter_tensors(src, mapping='weightmap 1\ncast "**" to f16', cancel=event)
+    names = [next(tensors)[0], next(tensors)[0]]
+    event.set()
+    with pytest.raises(weightmap.Cancelled):
+        next(tensors)
+    assert names == ["layers.0.weight", "layers.1.weight"]
+    with pytest.raises(StopIteration):
+        next(tensors)  # (closed: the input is released)
+
+
+def test_inplace_cancelled_before_its_journal_changes_nothing(tmp_path: Path) -> None:
+    src = _small(tmp_path, 2)
+    before = (src / "model.safetensors").read_bytes()
+    with pytest.raises(weightmap.Cancelled):
+        weightmap.remap(src, mapping=_RENAME, inplace=True, cancel=lambda: True)
+    assert (src / "model.safetensors").read_bytes() == before
+    assert _entries(src) == {"model.safetensors"}
+
+
+@pytest.mark.usefixtures("handlers")
+def test_inplace_signal_during_the_replay_lets_it_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal once the journal is written: the few writes after it finish, and the
+    checkpoint is renamed, its journal gone (never left half-way for `clean`)."""
+    from weightmap.execute import inplace
+
+    src = _small(tmp_path, 2)
+    replay = inplace._replay
+
+    def interrupted(root: Path, journal: inplace.Journal) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        replay(root, journal)
+
+    monkeypatch.setattr(inplace, "_replay", interrupted)
+    token = CancelToken()
+    with cli._stop_on_signals(token):
+        weightmap.remap(src, mapping=_RENAME, inplace=True, cancel=token)
+    assert token.signal == signal.SIGINT
+    assert _entries(src) == {"model.safetensors"}
+    with Checkpoint.open(src) as ckpt:
+        assert sorted(ckpt) == ["l.0.w", "l.1.w"]
+
+
+def test_cancel_that_cannot_say_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"threading\.Event or a callable"):
+        as_token(True)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- Ray
+
+
+class _FakeRay:
+    """What the driver's loop asks of Ray, with tasks that never finish."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[int] = []
+        self.exceptions = SimpleNamespace(RayError=RuntimeError, RayTaskError=RuntimeError)
+        self._next = 0
+
+    def remote(self, **_: Any) -> Any:
+        def wrap(fn: Any) -> Any:
+            def submit(*_: Any) -> int:
+                self._next += 1
+                return self._next
+
+            return SimpleNamespace(remote=submit)
+
+        return wrap
+
+    def wait(self, refs: list[int], **_: Any) -> tuple[list[int], list[int]]:
+        time.sleep(0.01)
+        return [], refs
+
+    def cancel(self, ref: int, force: bool = False) -> None:
+        self.cancelled.append(ref)
+
+
+def test_a_cancelled_ray_run_cancels_its_tasks() -> None:
+    ray = _FakeRay()
+    tasks = [SimpleNamespace(folder="f", index=i) for i in range(5)]
+    token = CancelToken()
+    timer = threading.Timer(0.1, token.cancel)
+    timer.start()
+    with pytest.raises(weightmap.Cancelled):
+        cluster._run(ray, tasks, 2, None, 0, "out", token)  # type: ignore[arg-type]
+    timer.join()
+    assert ray.cancelled == [1, 2]  # the two running; the other three never started
+
+
+def test_the_cli_says_an_interrupted_inplace_rename_was_committed(tmp_path: Path) -> None:
+    src = _small(tmp_path, 2)
+    mapping = tmp_path / "rename.wm"
+    mapping.write_text(_RENAME + "\n")
+    code = (
+        "import os, signal, sys, time\n"
+        "from weightmap.execute import inplace\n"
+        "replay = inplace._replay\n"
+        "def interrupted(root, journal):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.05)\n"
+        "    replay(root, journal)\n"
+        "inplace._replay = interrupted\n"
+        "from weightmap.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(src), "--inplace", "--mapping", str(mapping)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 143, r.stderr
+    assert "weightmap: interrupting...\n" in r.stderr
+    assert r.stderr.rstrip().endswith(
+        "weightmap: interrupted after the work was committed; it is complete"
+    )
+    with Checkpoint.open(src) as ckpt:
+        assert sorted(ckpt) == ["l.0.w", "l.1.w"]
