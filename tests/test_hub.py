@@ -98,8 +98,19 @@ def test_offline_and_not_cached(tmp_path: Path, example: Path) -> None:
         "convert", "org/absent", str(tmp_path / "o"), "--preset", "eagle3-sglang", cache=tmp_path
     )
     assert r.returncode == 1 and r.stderr.count("\n") == 1
-    assert "org/absent: is not in the local Hugging Face cache" in r.stderr
+    assert "org/absent: this repository is not in the local Hugging Face cache" in r.stderr
     assert "HF_HUB_OFFLINE=1" in r.stderr and "[hub-offline]" in r.stderr
+    assert "did you mean" not in r.stderr  # (nothing cached is close)
+
+
+def test_a_mistyped_repo_id_gets_the_cached_one_it_was_meant_as(
+    tmp_path: Path, example: Path
+) -> None:
+    cache_repo(tmp_path / "cache", _model(tmp_path, example), repo_id="myorg/tiny-llama")
+    r = _run("inspect", "myorg/tiny-lama", cache=tmp_path / "cache")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "myorg/tiny-lama: this repository is not in the local" in r.stderr
+    assert "did you mean myorg/tiny-llama? (that one is cached)" in r.stderr
 
 
 def test_a_shard_missing_from_the_cache(tmp_path: Path, example: Path) -> None:

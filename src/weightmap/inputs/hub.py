@@ -17,6 +17,8 @@ gated repository, and files that are not cached while the machine is offline.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import itertools
 import os
 import re
 import stat
@@ -49,6 +51,8 @@ _REPO_ID = re.compile(
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE = ("1", "true", "yes", "on")
 # A ref holds a 40-character commit id; more is no ref (a link to /dev/zero never ends).
+# Entries of the cache folder read for a did-you-mean: a cache holds a few hundred at most.
+_MAX_CACHE_ENTRIES = 10_000
 _MAX_REF = 256
 
 
@@ -105,6 +109,22 @@ class HubRepo:
 
     def _storage(self) -> Path:
         return self._cache() / f"models--{self.repo_id.replace('/', '--')}"
+
+    def _cached_near(self) -> str | None:
+        """The cached repository whose id is closest to this one (a typo: ``tiny-lama`` for
+        ``tiny-llama``), or None. The cache folder's entries are read, at most a few
+        thousand of them (a cache is no place to spend seconds)."""
+        try:
+            with os.scandir(self._cache()) as entries:
+                ids = [
+                    e.name[len("models--") :].replace("--", "/", 1)
+                    for e in itertools.islice(entries, _MAX_CACHE_ENTRIES)
+                    if e.name.startswith("models--")
+                ]
+        except OSError:
+            return None
+        near = difflib.get_close_matches(self.repo_id, ids, n=1, cutoff=0.8)
+        return near[0] if near and near[0] != self.repo_id else None
 
     def cached_snapshot(self) -> Path | None:
         """The cached snapshot folder of this revision, or None when it is not cached.
@@ -175,10 +195,12 @@ class HubRepo:
                 self.offline = True
         folder = self.cached_snapshot()
         if folder is None:
+            near = self._cached_near()
             raise self._fail(
-                f"is not in the local Hugging Face cache ({self._cache()}) and the Hub "
-                f"{'is off (HF_HUB_OFFLINE=1)' if self._offline() else 'cannot be reached'}: "
-                "download it while online, or give a local folder",
+                f"this repository is not in the local Hugging Face cache ({self._cache()}) and "
+                f"the Hub {'is off (HF_HUB_OFFLINE=1)' if self._offline() else 'cannot be reached'}"
+                + (f"; did you mean {near}? (that one is cached)" if near else "")
+                + "; download it while online, or give a local folder",
                 "hub-offline",
             )
         listed = self._cached_tree(folder)
