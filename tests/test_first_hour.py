@@ -181,8 +181,8 @@ def test_a_cast_that_leaves_the_config_dtype_stale_warns(tmp_path: Path) -> None
     assert r.stderr == (
         f'weightmap: warning: {m}:2:1: config.json says torch_dtype = "float32" but the '
         "floating-point weights are now bfloat16; to say so, add to the mapping: "
-        'config { torch_dtype = "bfloat16" } (a mapping that sets a config field cannot be '
-        "inverted: leave it out if you will need `weightmap invert`)\n"
+        'config { if config.torch_dtype == "float32" { torch_dtype = "bfloat16" } } (written '
+        "so, `weightmap invert` can undo it)\n"
     )
     fixed = _mapping(
         tmp_path, 'cast "**" to bf16\nunmatched keep\nconfig { torch_dtype = "bfloat16" }'

@@ -175,7 +175,15 @@ def test_the_docs_mapping_gives_no_stale_dtype_warning_and_plan_warns_once(
     stale = _mapping(tmp_path, 'cast "{name*}" to f32 where dtype == bf16\nunmatched keep')
     r = run("plan", str(example), "--mapping", stale)
     assert (r.stdout + r.stderr).count("config.json says dtype") == 1
-    assert "cannot be inverted" in r.stdout
+    assert "`weightmap invert` can undo it" in r.stdout
+    # The advice, followed, keeps a mapping invertible (it made one that could not be).
+    advice = re.search(r"add to the mapping: (config \{.*\}) \(written so", r.stdout)
+    assert advice is not None
+    followed = _mapping(tmp_path, f'cast "{{name*}}" from bf16 to f32\n{advice[1]}\nunmatched keep')
+    assert run("plan", str(example), "--mapping", followed).stdout.count("warning") == 0
+    r = run("invert", followed, str(example))
+    assert r.returncode == 0, r.stderr
+    assert 'if config.dtype == "float32"' in r.stdout and 'dtype = "bfloat16"' in r.stdout
 
 
 # -- 9: what follows a failed rule

@@ -237,3 +237,25 @@ def test_invert_takes_rule_text_as_every_entry_point_does() -> None:
     assert text.strip().splitlines()[-1] == 'rename "b.{x}" -> "a.{x}"'
     with pytest.raises(MappingError, match="cannot invert this config block"):
         weightmap.invert('weightmap 1\nconfig { x = 1 }\nkeep "x"\n')
+
+
+def test_a_config_value_swap_inverts_and_other_sets_are_refused() -> None:
+    """``if config.f == OLD { f = NEW }`` (what the stale-dtype warning advises) says what the
+    field held, so its inverse swaps back; a plain set, an ``else``, or a value computed from
+    the config does not, and is refused naming why."""
+    swap = 'config { if config.quant.dtype == "bfloat16" { quant.dtype = "float32" } }'
+    back = invert(load_mapping(f"weightmap 1\n{swap}\nunmatched keep\n"))
+    assert 'if config.quant.dtype == "float32"' in back.text
+    assert 'quant.dtype = "bfloat16"' in back.text
+    before = {"quant": {"dtype": "bfloat16"}, "other": 1}
+    forward = compile_plan(load_mapping(f"weightmap 1\n{swap}\nunmatched keep\n"), [], before)
+    assert forward.config == {"quant": {"dtype": "float32"}, "other": 1}
+    assert compile_plan(back, [], forward.config).config == before
+    for edit in (
+        'dtype = "float32"',
+        'if config.dtype == "bfloat16" { dtype = "float32" } else { dtype = "f" }',
+        'if config.dtype == "bfloat16" { dtype = config.other }',
+        'if config.dtype == "bfloat16" { other = "float32" }',
+    ):
+        with pytest.raises(MappingError, match="cannot know what a field held before"):
+            invert(load_mapping(f"weightmap 1\nconfig {{ {edit} }}\nunmatched keep\n"))

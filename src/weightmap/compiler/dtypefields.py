@@ -55,7 +55,7 @@ def stale_dtype_fields(
             out.append(
                 f'{cast.origin}: config.json says {field} = "{old}" but the floating-point '
                 f"weights are now {new}; to say so, add to the mapping: "
-                f'config {{ {field} = "{new}" }} (a mapping that sets a config field cannot be '
-                "inverted: leave it out if you will need `weightmap invert`)"
+                f'config {{ if config.{field} == "{old}" {{ {field} = "{new}" }} }} (written so, '
+                "`weightmap invert` can undo it)"
             )
     return out

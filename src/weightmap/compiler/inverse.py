@@ -438,14 +438,61 @@ def _invert_stmts(
             elif isinstance(st, A.ConfigFrom):
                 raise _Refuse("the output's config is config.json, not the file this one reads")
             elif isinstance(st, A.ConfigBlock):
-                fwd = [x for x in st.stmts if isinstance(x, A.CfgMove)]
-                if len(fwd) != len(st.stmts):
-                    raise _Refuse("config edits other than `move` cannot be undone")
-                moves = tuple(A.CfgMove(src=x.dst, dst=x.src, loc=x.loc) for x in reversed(fwd))
-                out.append(A.ConfigBlock(stmts=moves, loc=st.loc))
+                back_cfg = tuple(_invert_config_edit(x) for x in reversed(st.stmts))
+                out.append(A.ConfigBlock(stmts=back_cfg, loc=st.loc))
         except _Refuse as why:
             problems.append(f"{st.loc}: cannot invert this {_kind(st)}: {why}")
     return (*params, *reversed(out))
+
+
+def _invert_config_edit(st: A.CfgStmt) -> A.CfgStmt:
+    """The edit that undoes ``st``: a ``move`` moves back; ``if config.f == OLD { f = NEW }``
+    (a field changed from one known value to another, as the stale-dtype warning advises)
+    becomes ``if config.f == NEW { f = OLD }``. Any other edit loses what the field held.
+
+    The swap undoes the edit exactly where the field did not already hold NEW before the
+    conversion (then the forward edit left it, and the inverse would change it):
+    ``invert(..., check=checkpoint)`` sees that case.
+    """
+    if isinstance(st, A.CfgMove):
+        return A.CfgMove(src=st.dst, dst=st.src, loc=st.loc)
+    swap = _value_swap(st)
+    if swap is None:
+        raise _Refuse(
+            "config edits other than `move` and `if config.f == OLD { f = NEW }` cannot be "
+            "undone (the inverse cannot know what a field held before)"
+        )
+    field, edit, old, new = swap
+    return A.CfgIf(
+        cond=A.BinOp(op="==", left=field, right=A.Lit(value=new.value, loc=new.loc)),
+        then=(A.CfgSet(path=edit.path, value=A.Lit(value=old.value, loc=old.loc), loc=edit.loc),),
+        orelse=(),
+        loc=st.loc,
+    )
+
+
+def _value_swap(st: A.CfgStmt) -> tuple[A.Expr, A.CfgSet, A.Lit, A.Lit] | None:
+    """``(config.<path>, the set, OLD, NEW)`` of ``if config.<path> == OLD { <path> = NEW }``
+    with literal values and no ``else``; None for any other edit."""
+    if not isinstance(st, A.CfgIf) or st.orelse or len(st.then) != 1:
+        return None
+    cond, edit = st.cond, st.then[0]
+    if not (isinstance(cond, A.BinOp) and cond.op == "==" and isinstance(edit, A.CfgSet)):
+        return None
+    if not (isinstance(cond.right, A.Lit) and isinstance(edit.value, A.Lit)):
+        return None
+    if _config_path(cond.left) != edit.path:
+        return None
+    return cond.left, edit, cond.right, edit.value
+
+
+def _config_path(expr: A.Expr) -> tuple[str, ...] | None:
+    """``config.a.b`` -> ``("a", "b")``; None for anything else."""
+    names: list[str] = []
+    while isinstance(expr, A.Attr):
+        names.append(expr.name)
+        expr = expr.obj
+    return tuple(reversed(names)) if isinstance(expr, A.ConfigRef) and names else None
 
 
 def _kind(st: A.Stmt) -> str:
