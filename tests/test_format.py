@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightmap.errors import FormatError
+from weightmap.format import header as header_module
+from weightmap.format.dtypes import DTYPES
 from weightmap.format.header import MAX_HEADER_SIZE, read_header
 
 from sftools import entry, header_bytes, write_raw
@@ -394,3 +397,24 @@ def test_an_integer_of_thousands_of_digits_is_an_overflow(tmp_path: Path) -> Non
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
     with pytest.raises(FormatError, match=r"thousands of digits.*\[overflow\]"):
         read_header(path)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_entries_share_their_dtype_name_and_shape(tmp_path: Path, quick: bool) -> None:
+    """Every entry of one shape holds the same shape tuple, and the dtype table's name: a
+    checkpoint of 100,000 tensors keeps one header entry per tensor for its lifetime. So with
+    the quick decoder (which reads every plain header) and the strict one."""
+    header = {"__metadata__": {"format": "pt"}}
+    header |= {f"t.{i}": entry("BF16", [2, 3], 12 * i, 12 * (i + 1)) for i in range(4)}
+    text = json.dumps(header)
+    if quick:
+        parsed = header_module._quick_header(text, False)
+        assert parsed is not None
+        infos = parsed[1]
+    else:
+        infos = header_module._checked_header(text, "h")[1]
+    assert [i.shape for i in infos] == [(2, 3)] * 4
+    assert all(i.shape is infos[0].shape for i in infos)
+    assert all(i.dtype is DTYPES["BF16"].name for i in infos)
+    write_raw(tmp_path / "m.safetensors", header, bytes(48))
+    assert list(read_header(tmp_path / "m.safetensors").tensors.values()) == infos
