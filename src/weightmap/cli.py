@@ -169,6 +169,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# The outputs (and dropped inputs) `weightmap plan` lists without --all.
+_PLAN_ROWS = 50
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     plan = compile_plan_for(
         args.src,
@@ -193,7 +197,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     _warn(plan)
     print(_summary(plan))
-    print(plan.explain())
+    # A summary unless asked for every tensor: printing 100,000 rows took longer than the
+    # conversion they describe.
+    print(plan.explain(None if args.all else _PLAN_ROWS))
     return 0
 
 
@@ -469,6 +475,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", help=_SRC_HELP)
     _mapping_args(p)
     p.add_argument("--json", action="store_true", help="the plan as JSON")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help=f"list every output and dropped input (by default the first {_PLAN_ROWS} of each)",
+    )
     _side_files_arg(p, writes=False)
     _allow_code_arg(p)
     p.set_defaults(func=_cmd_plan)

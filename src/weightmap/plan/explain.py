@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, Protocol
 
 from weightmap.format.dtypes import TensorSpec
@@ -101,9 +102,12 @@ def _to(src: str, dst: str) -> str:
     return f" -> {dst}" if dst != src else ""
 
 
-def explain(plan: Explainable) -> str:
-    """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff."""
-    inputs = {s.name: s for s in plan.inputs}
+def explain(plan: Explainable, limit: int | None = None) -> str:
+    """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff.
+
+    ``limit``: at most that many outputs and dropped inputs are listed, each list ending with
+    how many more there are (a checkpoint may hold 100,000 tensors); None lists them all."""
+    inputs = dict(zip(map(_NAME, plan.inputs), plan.inputs, strict=True))
     lines = [f"plan for mapping {plan.mapping_name!r}"]
     if plan.params:
         lines.append("params: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in plan.params.items()))
@@ -111,7 +115,7 @@ def explain(plan: Explainable) -> str:
         f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped"
     )
     rows = []
-    for out in plan.outputs:
+    for out in plan.outputs[:limit]:
         srcs = out.node.sources()
         first = inputs[srcs[0].name]
         # Names escaped before the widths are taken: one with a line break stays one row.
@@ -124,8 +128,10 @@ def explain(plan: Explainable) -> str:
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
-    for d in plan.dropped:
+    lines += _more(len(plan.outputs), limit, "outputs")
+    for d in plan.dropped[:limit]:
         lines.append(f"  dropped {one_line(d.name)}  ({d.origin})")
+    lines += _more(len(plan.dropped), limit, "dropped inputs")
     lines += side_files(plan)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
@@ -134,6 +140,16 @@ def explain(plan: Explainable) -> str:
         lines.append("config.json:")
         lines += [f"  {x}" for x in diff]
     return "\n".join(lines)
+
+
+def _more(count: int, limit: int | None, what: str) -> list[str]:
+    """The line that says how many of ``count`` were left out past ``limit``, if any were."""
+    if limit is None or count <= limit:
+        return []
+    return [f"  ... and {count - limit:,} more {what} (`weightmap plan --all` lists every one)"]
+
+
+_NAME = attrgetter("name")
 
 
 def side_files(plan: Explainable) -> list[str]:
