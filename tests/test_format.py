@@ -418,3 +418,33 @@ def test_entries_share_their_dtype_name_and_shape(tmp_path: Path, quick: bool) -
     assert all(i.dtype is DTYPES["BF16"].name for i in infos)
     write_raw(tmp_path / "m.safetensors", header, bytes(48))
     assert list(read_header(tmp_path / "m.safetensors").tensors.values()) == infos
+
+
+def test_values_made_by_columns_are_the_values_made_one_by_one() -> None:
+    """``sized_specs``, ``Source.many`` and ``OutputTensor.many`` (a whole checkpoint's at
+    once, slot by slot) make what ``TensorSpec.sized``, ``Source.of`` and ``OutputTensor.of``
+    make: equal, frozen, with the sizes and specs they keep, and pickled whole."""
+    import dataclasses
+    import pickle
+
+    from weightmap.format.dtypes import TensorSpec, sized_specs
+    from weightmap.language.ast import Loc
+    from weightmap.plan.nodes import Source
+    from weightmap.plan.plan import OutputTensor
+
+    names, dtypes, shapes = ["a", "b", "c"], ["F32", "BF16", "U8"], [(2,), (3, 1), ()]
+    sizes = [8, None, 1]
+    specs = sized_specs(3, names, dtypes, shapes, sizes)
+    sources = Source.many(3, names, dtypes, shapes)
+    outs = OutputTensor.many(3, specs, sources, Loc("m", 2, 1))
+    for i in range(3):
+        want = TensorSpec.sized(names[i], dtypes[i], shapes[i], sizes[i] or 0)
+        assert specs[i] == want and specs[i]._nbytes == sizes[i]
+        assert sources[i] == Source.of(names[i], dtypes[i], shapes[i])
+        assert outs[i] == OutputTensor.of(specs[i], sources[i], Loc("m", 2, 1))
+        assert outs[i].spec is specs[i]
+    assert specs[1].nbytes == 6  # (counted when first asked for)
+    for value in (specs[0], sources[0], outs[0]):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.name = "x"  # type: ignore[misc]
+        assert pickle.loads(pickle.dumps(value)) == value
