@@ -448,3 +448,20 @@ def test_values_made_by_columns_are_the_values_made_one_by_one() -> None:
         with pytest.raises(dataclasses.FrozenInstanceError):
             value.name = "x"  # type: ignore[misc]
         assert pickle.loads(pickle.dumps(value)) == value
+
+
+def test_shared_keeps_one_object_per_distinct_value(tmp_path: Path) -> None:
+    """``shared`` gives back the same values, each one object (the first met); a checkpoint's
+    specs so share their byte sizes (an int above 256 is an object per computation)."""
+    from weightmap.format.slots import shared
+    from weightmap.inputs.checkpoint import Checkpoint
+
+    values = [int("4096"), int("4096"), int("300"), int("4096")]
+    assert values[1] is not values[0]
+    out = shared(values)
+    assert out == values and out[2] is values[2]
+    assert all(out[i] is values[0] for i in (0, 1, 3))
+    save_file({f"t{i}": torch.zeros(300) for i in range(3)}, str(tmp_path / "model.safetensors"))
+    with Checkpoint.open(tmp_path) as ckpt:
+        sizes = [spec._nbytes for spec in ckpt.specs()]
+    assert sizes == [1200] * 3 and sizes[0] is sizes[1] is sizes[2]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any, TypeVar
 
-__all__ = ["make_many", "make_tuple", "slot_setter"]
+__all__ = ["make_many", "make_tuple", "shared", "slot_setter"]
 
 T = TypeVar("T")
 
@@ -45,3 +45,14 @@ def make_many(
     for setter, values in fields:
         deque(map(setter, made, values), maxlen=0)  # (runs the map, keeping nothing)
     return made
+
+
+def shared(values: list[T]) -> list[T]:
+    """``values`` (all of one type: ``1 == True``) with one object per distinct value, the first
+    of its equals met, by C calls.
+
+    A column of sizes or shapes repeats a few values 100,000 times over, and an int above 256
+    is an object of its own each time it is computed (32 bytes apiece).
+    """
+    first = dict(zip(reversed(values), reversed(values), strict=True))
+    return list(map(first.__getitem__, values))

@@ -26,6 +26,7 @@ from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec, sized_specs
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8, read_json_file
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
@@ -553,7 +554,7 @@ class Checkpoint:
             strided = self._strided
             if not strided:
                 infos = list(map(_INFO, self._tensors.values()))
-                sizes = map(sub, map(_END, infos), map(_BEGIN, infos))
+                sizes = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
                 fields = (map(_NAME, infos), map(_DTYPE, infos), map(_SHAPE, infos), sizes)
                 with gc_paused():  # (made column by column: no Python step per tensor)
                     self._specs = tuple(sized_specs(len(infos), *fields))
