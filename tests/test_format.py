@@ -465,3 +465,17 @@ def test_shared_keeps_one_object_per_distinct_value(tmp_path: Path) -> None:
     with Checkpoint.open(tmp_path) as ckpt:
         sizes = [spec._nbytes for spec in ckpt.specs()]
     assert sizes == [1200] * 3 and sizes[0] is sizes[1] is sizes[2]
+
+
+def test_tensors_listed_out_of_order_or_empty_read_in_data_order(tmp_path: Path) -> None:
+    """Entries listed in another order than their data, or empty ones, take the sorting and
+    checking pass; entries back to back in order take none, and come out the same."""
+    listed = {"b": entry("U8", [2], 2, 4), "e": entry("U8", [0], 4, 4), "a": entry("U8", [2], 0, 2)}
+    header = read_header(write_raw(tmp_path / "x.safetensors", listed, b"\0" * 4))
+    assert list(header.tensors) == ["a", "b", "e"]
+    in_order = {"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 2, 4)}
+    header = read_header(write_raw(tmp_path / "y.safetensors", in_order, b"\0" * 4))
+    assert list(header.tensors) == ["a", "b"] and header.tensors["b"].end == 4
+    with pytest.raises(FormatError) as err:
+        read_header(write_raw(tmp_path / "z.safetensors", in_order, b"\0" * 3))
+    assert err.value.rule == "truncated"
