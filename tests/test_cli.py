@@ -229,6 +229,33 @@ def test_plan_table_and_json(example: Path) -> None:
     assert doc["config"]["architectures"] == ["LlamaForCausalLMEagle3"]
 
 
+def test_plan_summarises_a_large_plan_unless_all(tmp_path: Path) -> None:
+    """Past the first rows, `plan` says how many outputs and drops it left out; --all lists
+    every one."""
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = {f"model.w.{i}": torch.zeros(2) for i in range(70)}
+    tensors |= {f"extra.{i}": torch.zeros(1) for i in range(55)}
+    save_file(tensors, str(src / "model.safetensors"))
+    rules = tmp_path / "rules.wm"
+    rules.write_text('weightmap 1\nrename "model.{rest*}" -> "{rest}"\nunmatched drop\n')
+    r = run("plan", str(src), "--mapping", str(rules))
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if " -> w." in line]
+    dropped = [line for line in r.stdout.splitlines() if line.startswith("  dropped ")]
+    assert (len(rows), len(dropped)) == (50, 50)
+    assert "  ... and 20 more outputs (`weightmap plan --all` lists every one)" in r.stdout
+    assert "  ... and 5 more dropped inputs (`weightmap plan --all` lists every one)" in r.stdout
+    r = run("plan", str(src), "--mapping", str(rules), "--all")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if " -> w." in line]
+    dropped = [line for line in r.stdout.splitlines() if line.startswith("  dropped ")]
+    assert (len(rows), len(dropped)) == (70, 55) and "more outputs" not in r.stdout
+
+
 def test_diff(example: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -300,3 +300,28 @@ def test_columns_take_the_plans_they_are_for() -> None:
     assert layout_module._whole_columns(specs[::-1], _columns(specs[::-1], origins), 10**9) is None
     # An input file's tensors over the limit take several shards: the one-pass loop's.
     assert layout_module._whole_columns(specs, _columns(specs, origins), 5000) is None
+
+
+@pytest.mark.parametrize("layout", ["clone", "reference"])
+def test_shard_offsets_read_as_the_dict_of_each_tensors_range(
+    layout: layout_module.Layouts,
+) -> None:
+    """A shard's offsets are kept as columns (names and bounds); read as a mapping they are the
+    dict of every tensor's absolute [begin, end), back to back in file order from the end of
+    the header, by lookup and by items."""
+    specs = [TensorSpec(f"t{i}", "F32" if i % 2 else "U8", (i + 1,)) for i in range(6)]
+    sizes = {s.name: s.nbytes for s in specs}
+    planned = layout_module.plan_layout(specs, 40, None, None, layout)
+    for shard in planned.shards:
+        offsets = shard.offsets
+        assert isinstance(offsets, layout_module.Offsets)
+        position, want = len(shard.header), {}
+        for name in offsets:
+            want[name] = (position, position + sizes[name])
+            position += sizes[name]
+        assert position == shard.size
+        assert dict(offsets.items()) == want and offsets == want and len(offsets) == len(want)
+        assert {name: offsets[name] for name in want} == want
+        with pytest.raises(KeyError):
+            offsets["missing"]
+    assert sorted(name for shard in planned.shards for name in shard.offsets) == sorted(sizes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightmap.errors import FormatError
+from weightmap.format import header as header_module
+from weightmap.format.dtypes import DTYPES
 from weightmap.format.header import MAX_HEADER_SIZE, read_header
 
 from sftools import entry, header_bytes, write_raw
@@ -394,3 +397,85 @@ def test_an_integer_of_thousands_of_digits_is_an_overflow(tmp_path: Path) -> Non
     path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4))
     with pytest.raises(FormatError, match=r"thousands of digits.*\[overflow\]"):
         read_header(path)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_entries_share_their_dtype_name_and_shape(tmp_path: Path, quick: bool) -> None:
+    """Every entry of one shape holds the same shape tuple, and the dtype table's name: a
+    checkpoint of 100,000 tensors keeps one header entry per tensor for its lifetime. So with
+    the quick decoder (which reads every plain header) and the strict one."""
+    header = {"__metadata__": {"format": "pt"}}
+    header |= {f"t.{i}": entry("BF16", [2, 3], 12 * i, 12 * (i + 1)) for i in range(4)}
+    text = json.dumps(header)
+    if quick:
+        parsed = header_module._quick_header(text, False)
+        assert parsed is not None
+        infos = parsed[1]
+    else:
+        infos = header_module._checked_header(text, "h")[1]
+    assert [i.shape for i in infos] == [(2, 3)] * 4
+    assert all(i.shape is infos[0].shape for i in infos)
+    assert all(i.dtype is DTYPES["BF16"].name for i in infos)
+    write_raw(tmp_path / "m.safetensors", header, bytes(48))
+    assert list(read_header(tmp_path / "m.safetensors").tensors.values()) == infos
+
+
+def test_values_made_by_columns_are_the_values_made_one_by_one() -> None:
+    """``sized_specs``, ``Source.many`` and ``OutputTensor.many`` (a whole checkpoint's at
+    once, slot by slot) make what ``TensorSpec.sized``, ``Source.of`` and ``OutputTensor.of``
+    make: equal, frozen, with the sizes and specs they keep, and pickled whole."""
+    import dataclasses
+    import pickle
+
+    from weightmap.format.dtypes import TensorSpec, sized_specs
+    from weightmap.language.ast import Loc
+    from weightmap.plan.nodes import Source
+    from weightmap.plan.plan import OutputTensor
+
+    names, dtypes, shapes = ["a", "b", "c"], ["F32", "BF16", "U8"], [(2,), (3, 1), ()]
+    sizes = [8, None, 1]
+    specs = sized_specs(3, names, dtypes, shapes, sizes)
+    sources = Source.many(3, names, dtypes, shapes)
+    outs = OutputTensor.many(3, specs, sources, Loc("m", 2, 1))
+    for i in range(3):
+        want = TensorSpec.sized(names[i], dtypes[i], shapes[i], sizes[i] or 0)
+        assert specs[i] == want and specs[i]._nbytes == sizes[i]
+        assert sources[i] == Source.of(names[i], dtypes[i], shapes[i])
+        assert outs[i] == OutputTensor.of(specs[i], sources[i], Loc("m", 2, 1))
+        assert outs[i].spec is specs[i]
+    assert specs[1].nbytes == 6  # (counted when first asked for)
+    for value in (specs[0], sources[0], outs[0]):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.name = "x"  # type: ignore[misc]
+        assert pickle.loads(pickle.dumps(value)) == value
+
+
+def test_shared_keeps_one_object_per_distinct_value(tmp_path: Path) -> None:
+    """``shared`` gives back the same values, each one object (the first met); a checkpoint's
+    specs so share their byte sizes (an int above 256 is an object per computation)."""
+    from weightmap.format.slots import shared
+    from weightmap.inputs.checkpoint import Checkpoint
+
+    values = [int("4096"), int("4096"), int("300"), int("4096")]
+    assert values[1] is not values[0]
+    out = shared(values)
+    assert out == values and out[2] is values[2]
+    assert all(out[i] is values[0] for i in (0, 1, 3))
+    save_file({f"t{i}": torch.zeros(300) for i in range(3)}, str(tmp_path / "model.safetensors"))
+    with Checkpoint.open(tmp_path) as ckpt:
+        sizes = [spec._nbytes for spec in ckpt.specs()]
+    assert sizes == [1200] * 3 and sizes[0] is sizes[1] is sizes[2]
+
+
+def test_tensors_listed_out_of_order_or_empty_read_in_data_order(tmp_path: Path) -> None:
+    """Entries listed in another order than their data, or empty ones, take the sorting and
+    checking pass; entries back to back in order take none, and come out the same."""
+    listed = {"b": entry("U8", [2], 2, 4), "e": entry("U8", [0], 4, 4), "a": entry("U8", [2], 0, 2)}
+    header = read_header(write_raw(tmp_path / "x.safetensors", listed, b"\0" * 4))
+    assert list(header.tensors) == ["a", "b", "e"]
+    in_order = {"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 2, 4)}
+    header = read_header(write_raw(tmp_path / "y.safetensors", in_order, b"\0" * 4))
+    assert list(header.tensors) == ["a", "b"] and header.tensors["b"].end == 4
+    with pytest.raises(FormatError) as err:
+        read_header(write_raw(tmp_path / "z.safetensors", in_order, b"\0" * 3))
+    assert err.value.rule == "truncated"

@@ -20,9 +20,10 @@ from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
+from weightmap.format import writer as writer_module
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
-from weightmap.format.writer import CheckpointWriter, _index_text
+from weightmap.format.writer import CheckpointWriter, _index_parts, _index_text
 from weightmap.fs.atomic import TMP_MARKER, _renameat2, owner_tag, stale_temporaries
 from weightmap.inputs.checkpoint import Checkpoint
 
@@ -109,6 +110,30 @@ def test_index_text_is_the_indented_json(weight_map: dict[str, str], total: int)
     want = json.dumps(index, indent=2, sort_keys=True) + "\n"
     assert _index_text(total, weight_map) == want
     assert _index_text(total, MappingProxyType(weight_map)) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(weight_map=st.dictionaries(_ODD, _ODD, max_size=8), lines=st.integers(1, 4))
+def test_index_parts_join_to_the_indented_json(weight_map: dict[str, str], lines: int) -> None:
+    """The index made a few lines at a time (as the writer writes it) is the same text."""
+    index = {"metadata": {"total_size": 7}, "weight_map": weight_map}
+    want = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    assert "".join(_index_parts(7, weight_map, lines)) == want
+
+
+def test_index_written_in_parts_is_the_indented_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index of more names than one part holds is written whole, part after part."""
+    monkeypatch.setattr(writer_module, "_INDEX_LINES", 3)
+    specs = [TensorSpec(f"t.{i}", "U8", (100,)) for i in range(10)]
+    with CheckpointWriter(tmp_path / "out", specs, max_shard_size=300) as w:
+        for spec in specs:
+            w.write(spec.name, bytes(100))
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(index["weight_map"]) == 10
+    want = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    assert (tmp_path / "out" / "model.safetensors.index.json").read_text() == want
 
 
 def test_sharded_round_trip(tmp_path: Path) -> None:

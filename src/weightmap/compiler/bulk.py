@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat, starmap
+from itertools import starmap
 from operator import attrgetter, methodcaller
 
 from weightmap.compiler.ops import tensor_namer
 from weightmap.compiler.route import Router
 from weightmap.errors import LocatedProblem
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format.dtypes import TensorSpec, sized_specs
 from weightmap.language import ast as A
 from weightmap.language.values import Scope
 from weightmap.plan.nodes import Source
@@ -177,6 +177,9 @@ def _one_alternative(
         return None
     (k,) = alternatives
     r = owners[k][0]
+    count = len(inputs)
+    dtypes = list(map(_DTYPE, inputs))
+    shapes = list(map(_SHAPE, inputs))
     if namers[r] is None:  # a keep: each output is its input's spec
         specs = list(inputs)
     else:
@@ -184,19 +187,20 @@ def _one_alternative(
         if quick is None:
             return None
         new_names = starmap(quick, map(_GROUPS, found))
-        specs = list(map(TensorSpec.named, inputs, new_names))
+        # As TensorSpec.named makes each: the inputs' dtypes, shapes and known sizes.
+        specs = sized_specs(count, new_names, dtypes, shapes, map(_KNOWN_SIZE, inputs))
     rest = below[r]
     if rest is not None and any(map(rest[0], map(_NAME, specs))):
         return None
-    sources = map(Source.of, names, map(_DTYPE, inputs), map(_SHAPE, inputs))
-    origin = rules[r].loc
-    return k, list(map(OutputTensor.of, specs, sources, repeat(origin)))
+    sources = Source.many(count, names, dtypes, shapes)
+    return k, OutputTensor.many(count, specs, sources, rules[r].loc)
 
 
 _NAME = attrgetter("name")
 _DTYPE = attrgetter("dtype")
 _SHAPE = attrgetter("shape")
 _LASTINDEX = attrgetter("lastindex")
+_KNOWN_SIZE = attrgetter("_nbytes")  # (None where not yet counted, as TensorSpec.named keeps)
 _GROUPS = methodcaller("groups")
 
 

@@ -19,7 +19,7 @@ from weightmap.execute.sidefiles import side_files_space
 from weightmap.format.dtypes import nbytes
 from weightmap.format.header import TensorInfo
 from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
-from weightmap.format.slots import make_tuple
+from weightmap.format.slots import make_tuple, shared
 from weightmap.format.writer import CheckpointWriter
 from weightmap.fs.gcpause import gc_paused
 from weightmap.inputs.checkpoint import Checkpoint
@@ -136,7 +136,7 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     infos = list(map(_SECOND, stored))
     starts = [header.data_start for header in headers.values()]
     offsets = list(map(add, map(starts.__getitem__, files), map(_BEGIN, infos)))
-    lengths = list(map(sub, map(_END, infos), map(_BEGIN, infos)))
+    lengths = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
     return WholeOrigins(list(map(_NAME, outputs)), files, offsets, lengths)
 
 

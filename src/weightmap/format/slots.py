@@ -10,10 +10,14 @@ source nodes, outputs) through their slots' own setters, one C call per field; n
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from typing import Any, TypeVar
 
-__all__ = ["make_tuple", "slot_setter"]
+__all__ = ["make_many", "make_tuple", "shared", "slot_setter"]
+
+T = TypeVar("T")
 
 # ``make_tuple(Cls, (field, ...))``: the named tuple ``Cls`` of those fields, in one C call.
 make_tuple = tuple.__new__
@@ -25,3 +29,30 @@ def slot_setter(cls: type, name: str) -> Callable[[Any, Any], None]:
     descriptor = cls.__dict__[name]
     setter: Callable[[Any, Any], None] = descriptor.__set__
     return setter
+
+
+def make_many(
+    cls: type[T], count: int, fields: Sequence[tuple[Callable[[Any, Any], None], Iterable[Any]]]
+) -> list[T]:
+    """``count`` new instances of the slotted dataclass ``cls``, each slot filled from a column:
+    ``fields`` pairs a slot's setter (:func:`slot_setter`) with its values, one per instance.
+
+    Column by column, each by one ``map`` of the setter: no Python frame per instance, where a
+    constructor (even one that fills the slots itself) runs one per instance. Every column must
+    hold ``count`` values or more (the first ``count`` are taken), as ``zip`` would take them.
+    """
+    made = list(map(object.__new__, repeat(cls, count)))
+    for setter, values in fields:
+        deque(map(setter, made, values), maxlen=0)  # (runs the map, keeping nothing)
+    return made
+
+
+def shared(values: list[T]) -> list[T]:
+    """``values`` (all of one type: ``1 == True``) with one object per distinct value, the first
+    of its equals met, by C calls.
+
+    A column of sizes or shapes repeats a few values 100,000 times over, and an int above 256
+    is an object of its own each time it is computed (32 bytes apiece).
+    """
+    first = dict(zip(reversed(values), reversed(values), strict=True))
+    return list(map(first.__getitem__, values))

@@ -18,7 +18,7 @@ import shutil
 import stat
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii  # what json.dumps uses by default
 from pathlib import Path
@@ -469,11 +469,16 @@ class CheckpointWriter:
 
     # -- commit ----------------------------------------------------------------------------------
 
-    def _write_small(self, name: str, data: bytes) -> None:
+    def _write_small(self, name: str, data: bytes | Iterable[bytes]) -> None:
+        """Write a small file of the output (``data``: its bytes, or its bytes in parts, made
+        as they are written) and fsync it."""
         assert self.tmp is not None
         fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            pwrite_all(fd, data, 0)
+            position = 0
+            for part in [data] if isinstance(data, bytes) else data:
+                pwrite_all(fd, part, position)
+                position += len(part)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -499,7 +504,8 @@ class CheckpointWriter:
                     weight_map: dict[str, str] = {}
                     for shard in self.shards:
                         weight_map.update(dict.fromkeys(shard.offsets, shard.filename))
-                    self._write_small(INDEX_NAME, _index_text(self._total, weight_map).encode())
+                    parts = _index_parts(self._total, weight_map, _INDEX_LINES)
+                    self._write_small(INDEX_NAME, map(str.encode, parts))
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.
                     text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
@@ -601,15 +607,38 @@ def transfer_piece(src_fd: int, fd: int, piece: Piece, what: str) -> bool:
 
 
 def _index_text(total_size: int, weight_map: Mapping[str, str]) -> str:
-    """``json.dumps(index, indent=2, sort_keys=True)`` plus a newline, written line by line:
-    json's indenting encoder is pure Python, and an index may list 100,000 tensors."""
-    entries = ",\n".join(
-        f"    {encode_basestring_ascii(name)}: {encode_basestring_ascii(weight_map[name])}"
-        for name in sorted(weight_map)
-    )
-    body = f"{{\n{entries}\n  }}" if weight_map else "{}"
-    head = f'{{\n  "metadata": {{\n    "total_size": {total_size}\n  }},\n'
-    return f'{head}  "weight_map": {body}\n}}\n'
+    """``json.dumps(index, indent=2, sort_keys=True)`` plus a newline (see ``_index_parts``)."""
+    return "".join(_index_parts(total_size, weight_map))
+
+
+# Lines of the index made and written at a time: a few megabytes of text, where the whole
+# index of 100,000 names and more, as lines, one string and its bytes, took over 200 bytes of
+# memory per tensor at the peak of a conversion.
+_INDEX_LINES = 16384
+
+
+def _index_parts(
+    total_size: int, weight_map: Mapping[str, str], lines: int = _INDEX_LINES
+) -> Iterator[str]:
+    """The text of ``_index_text`` in parts of ``lines`` names, written line by line: json's
+    indenting encoder is pure Python, and an index may list 100,000 tensors."""
+    yield f'{{\n  "metadata": {{\n    "total_size": {total_size}\n  }},\n  "weight_map": '
+    if not weight_map:
+        yield "{}\n}\n"
+        return
+    names = sorted(weight_map)
+    # Each shard's name encoded once: they are few, and each is named once per tensor.
+    shards = {shard: encode_basestring_ascii(shard) for shard in set(weight_map.values())}
+    for start in range(0, len(names), lines):
+        part = names[start : start + lines]
+        files = map(shards.__getitem__, map(weight_map.__getitem__, part))
+        entries = ",\n".join(map(_ENTRY, map(encode_basestring_ascii, part), files))
+        yield ("{\n" if start == 0 else ",\n") + entries
+    yield "\n  }\n}\n"
+
+
+# One line of the index's weight map (without its comma), from the encoded name and shard.
+_ENTRY = "    {}: {}".format
 
 
 def _cut(c: Copy, begin: int, length: int, clone: bool) -> list[Piece]:

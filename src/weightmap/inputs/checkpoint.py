@@ -17,14 +17,16 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter, itemgetter, sub
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from weightmap.errors import CheckpointError, FormatError
-from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.dtypes import DTYPES, TensorSpec, sized_specs
 from weightmap.format.header import Header, TensorInfo, read_header
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
@@ -146,6 +148,10 @@ _SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safete
 PICKLE_SINGLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 _CONSOLIDATED = re.compile(r"consolidated\.(\d+)\.pth")
+# The columns of a checkpoint's table that its specs are made of (``Checkpoint.specs``).
+_INFO = itemgetter(1)
+_NAME, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("dtype"), attrgetter("shape")
+_BEGIN, _END = attrgetter("begin"), attrgetter("end")
 
 
 def _check_complete(
@@ -528,6 +534,13 @@ class Checkpoint:
             # the header was read: its size need not be counted again. A strided PyTorch
             # tensor's range is its storage's, not its size.
             strided = self._strided
+            if not strided:
+                infos = list(map(_INFO, self._tensors.values()))
+                sizes = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
+                fields = (map(_NAME, infos), map(_DTYPE, infos), map(_SHAPE, infos), sizes)
+                with gc_paused():  # (made column by column: no Python step per tensor)
+                    self._specs = tuple(sized_specs(len(infos), *fields))
+                return self._specs
             with gc_paused():
                 self._specs = tuple(
                     TensorSpec(info.name, info.dtype, info.shape)

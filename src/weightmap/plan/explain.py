@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, Protocol
+from operator import attrgetter
+from typing import Any, Protocol, TypeVar
 
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.text import field_path, one_line
@@ -139,14 +141,33 @@ def _to(src: str, dst: str) -> str:
     return f" -> {dst}" if dst != src else ""
 
 
+_Listed = TypeVar("_Listed", OutputTensor, Dropped)
+
+
 def natural_key(name: str) -> tuple[str | int, ...]:
     """Sort key reading runs of digits as numbers: ``layers.2`` before ``layers.10``."""
     return tuple(int(p) if i % 2 else p for i, p in enumerate(_DIGITS.split(name)))
 
 
-def explain(plan: Explainable) -> str:
-    """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff."""
-    inputs = {s.name: s for s in plan.inputs}
+def _listed(items: Sequence[_Listed], limit: int | None) -> list[_Listed]:
+    """The first ``limit`` of ``items`` (all for None) in the order a reader looks for a name
+    (``layers.2`` before ``layers.10``), not the file's: a summary of 100,000 tensors sorts
+    only the few it shows."""
+
+    def key(x: _Listed) -> tuple[str | int, ...]:
+        return natural_key(x.name)
+
+    if limit is None:
+        return sorted(items, key=key)
+    return heapq.nsmallest(limit, items, key=key)
+
+
+def explain(plan: Explainable, limit: int | None = None) -> str:
+    """Render ``plan`` as text: one line per output, dropped inputs, warnings, config diff.
+
+    ``limit``: at most that many outputs and dropped inputs are listed, each list ending with
+    how many more there are (a checkpoint may hold 100,000 tensors); None lists them all."""
+    inputs = dict(zip(map(_NAME, plan.inputs), plan.inputs, strict=True))
     lines = [f"plan for mapping {plan.mapping_name!r}"]
     if plan.params:
         lines.append("params: " + ", ".join(f"{k}={json.dumps(v)}" for k, v in plan.params.items()))
@@ -154,8 +175,7 @@ def explain(plan: Explainable) -> str:
         f"{len(plan.inputs)} inputs -> {len(plan.outputs)} outputs, {len(plan.dropped)} dropped"
     )
     rows = []
-    # In the order a reader looks for a name (layers.2 before layers.10), not the file's.
-    for out in sorted(plan.outputs, key=lambda o: natural_key(o.name)):
+    for out in _listed(plan.outputs, limit):
         srcs = out.node.sources()
         first = inputs[srcs[0].name]
         # Names escaped before the widths are taken: one with a line break stays one row.
@@ -168,8 +188,10 @@ def explain(plan: Explainable) -> str:
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
-    for d in sorted(plan.dropped, key=lambda d: natural_key(d.name)):
+    lines += _more(len(plan.outputs), limit, "outputs")
+    for d in _listed(plan.dropped, limit):
         lines.append(f"  dropped {one_line(d.name)}  ({d.origin})")
+    lines += _more(len(plan.dropped), limit, "dropped inputs")
     lines += side_files(plan)
     for w in plan.warnings:
         lines.append(f"warning: {w}")
@@ -178,6 +200,16 @@ def explain(plan: Explainable) -> str:
         lines.append("config.json:")
         lines += [f"  {x}" for x in diff]
     return "\n".join(lines)
+
+
+def _more(count: int, limit: int | None, what: str) -> list[str]:
+    """The line that says how many of ``count`` were left out past ``limit``, if any were."""
+    if limit is None or count <= limit:
+        return []
+    return [f"  ... and {count - limit:,} more {what} (`weightmap plan --all` lists every one)"]
+
+
+_NAME = attrgetter("name")
 
 
 def side_files(plan: Explainable) -> list[str]:

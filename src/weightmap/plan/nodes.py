@@ -7,11 +7,12 @@ serialized and checked without reading a byte of the checkpoint. ``node_to_dict`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from weightmap.format.dtypes import DTYPES
-from weightmap.format.slots import slot_setter
+from weightmap.format.slots import make_many, slot_setter
 
 __all__ = [
     "Arith",
@@ -85,6 +86,19 @@ class Source(Node):
         _set_shape(node, shape)
         _set_name(node, name)
         return node
+
+    @classmethod
+    def many(
+        cls,
+        count: int,
+        names: Iterable[str],
+        dtypes: Iterable[str],
+        shapes: Iterable[tuple[int, ...]],
+    ) -> list[Source]:
+        """``count`` sources from columns, as :meth:`of` makes each: one per input tensor of a
+        rename of a whole checkpoint, at once."""
+        fields = ((_set_dtype, dtypes), (_set_shape, shapes), (_set_name, names))
+        return make_many(cls, count, fields)
 
     def sources(self) -> tuple[Source, ...]:
         return (self,)

@@ -6,12 +6,15 @@ class itself (``plan.py`` imports ``explain.py``, never the other way round).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from weightmap.errors import Loc
 from weightmap.format.dtypes import TensorSpec
-from weightmap.format.slots import slot_setter
+from weightmap.format.slots import make_many, slot_setter
 from weightmap.plan.nodes import Node
 
 __all__ = [
@@ -77,8 +80,23 @@ class OutputTensor:
         _set_spec(out, spec)
         return out
 
+    @classmethod
+    def many(
+        cls, count: int, specs: Sequence[TensorSpec], nodes: Iterable[Node], origin: Loc
+    ) -> list[OutputTensor]:
+        """``count`` outputs from columns, as :meth:`of` makes each, all from the rule at
+        ``origin``: a rename of a whole checkpoint's, at once."""
+        fields = (
+            (_set_name, map(_NAME, specs)),
+            (_set_node, nodes),
+            (_set_origin, repeat(origin)),
+            (_set_spec, specs),
+        )
+        return make_many(cls, count, fields)
 
-# The slots' own setters, for OutputTensor.of (format/slots.py).
+
+_NAME = attrgetter("name")
+# The slots' own setters, for OutputTensor.of and .many (format/slots.py).
 _new = object.__new__
 _set_name = slot_setter(OutputTensor, "name")
 _set_node = slot_setter(OutputTensor, "node")

@@ -185,9 +185,10 @@ class Plan:
         """Rebuild a plan from :meth:`to_json` text."""
         return cls.from_dict(json.loads(text))
 
-    def explain(self) -> str:
-        """A readable table: input -> operation -> output, with dtypes and shapes, then config."""
-        return explain(self)
+    def explain(self, limit: int | None = None) -> str:
+        """A readable table: input -> operation -> output, with dtypes and shapes, then config;
+        at most ``limit`` outputs and dropped inputs listed (None: all of them)."""
+        return explain(self, limit)
 
 
 def _spec_dict(s: TensorSpec) -> dict[str, Any]:

@@ -1,0 +1,133 @@
+"""A rename of 200,000 small tensors in 8 shards against ``cp -r`` + fsync, side by side.
+
+    python bench/bench_many.py [--tensors 200000] [--shards 8] [--repeat 5]
+                               [--baseline SRC] [--workdir DIR]
+
+The cost of such a conversion is per tensor (reading headers, compiling, laying out the
+shards, writing the index), not per byte: MoE checkpoints of the DeepSeek-V3 and Kimi-K2 class
+hold 90,000 to 150,000 tensors with their scales. Every tensor is a bf16 [32, 64] expert
+projection (4 KiB), renamed ``model.layers.{n}.mlp.experts.{rest}`` -> ``layers.{n}.experts.
+{rest}``. Each run is a fresh process (``bench/_job.py``, through the launcher of
+``bench/jobs.py``, interleaved, warm page cache, output deleted and synced between runs);
+``--baseline SRC`` adds a **before** column importing weightmap from another tree's ``src/``
+(e.g. one unpacked with ``git archive``). Prints a Markdown table of medians: the operation's
+time, the whole process's, their ratios to ``cp -r`` + fsync, and the peak RSS with what it
+grew by per tensor during the conversion (``ru_maxrss`` after, less before, over the tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+from common import HERE
+from jobs import SOURCES, Launcher, Runner, Samples
+
+MAPPING = (
+    'weightmap 1\nrename "model.layers.{n}.mlp.experts.{rest*}" -> "layers.{n}.experts.{rest}"\n'
+)
+_SHAPE = [32, 64]
+_NBYTES = 32 * 64 * 2
+# Tensors per layer (the names' layer number changes every so many).
+_PER_LAYER = 4000
+
+
+def write_many(folder: Path, tensors: int, shards: int) -> int:
+    """The checkpoint: ``tensors`` bf16 tensors in ``shards`` shards and an index, filled with a
+    repeated random block (every byte written: ``cp`` cannot skip holes). Returns its bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(1 << 20)
+    weight_map: dict[str, str] = {}
+    total = 0
+    per = -(-tensors // shards)
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, object] = {}
+        for offset, k in enumerate(range(s * per, min(tensors, (s + 1) * per))):
+            layer, j = divmod(k, _PER_LAYER)
+            tensor = f"model.layers.{layer}.mlp.experts.{j // 4}.w{j % 4}.weight"
+            begin = offset * _NBYTES
+            header[tensor] = {
+                "dtype": "BF16",
+                "shape": _SHAPE,
+                "data_offsets": [begin, begin + _NBYTES],
+            }
+            weight_map[tensor] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        data = len(header) * _NBYTES
+        with (folder / name).open("wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for start in range(0, data, len(block)):
+                f.write(block[: min(len(block), data - start)])
+        total += 8 + len(raw) + data
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return total
+
+
+def _row(name: str, s: Samples, cp: Samples, tensors: int) -> str:
+    seconds, process = s.median("seconds"), s.median("process")
+    grown = (s.median("rss_peak") - s.median("rss_base")) * 1024 / tensors
+    return (
+        f"| {name} | {seconds:.3f} s | {process:.3f} s | {seconds / cp.median('seconds'):.2f}x "
+        f"| {process / cp.median('process'):.2f}x | {s.median('rss_peak'):,.0f} MiB "
+        f"| {grown:.2f} KiB |"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tensors", type=int, default=200_000)
+    p.add_argument("--shards", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--baseline", type=Path, help="a src/ tree to run as the before column")
+    p.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one)")
+    args = p.parse_args()
+    launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
+    workdir = Path(tempfile.mkdtemp(prefix="weightmap-many-", dir=args.workdir))
+    try:
+        src = workdir / "many"
+        nbytes = write_many(src, args.tensors, args.shards)
+        mapping = workdir / "rename.wm"
+        mapping.write_text(MAPPING)
+        runner = Runner(workdir, launcher)
+        out = str(runner.out)
+        tools = {"weightmap": ["weightmap", str(src), out, "--mapping", str(mapping)]}
+        if args.baseline is not None:
+            SOURCES["before"] = args.baseline.resolve()
+            tools["before"] = tools["weightmap"]
+        tools["cp -r + fsync"] = ["cp", str(src), out, "--fsync"]
+        samples = runner.compare(
+            {name: (lambda a=a: a) for name, a in tools.items()}, [src], args.repeat
+        )
+    finally:
+        launcher.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    cp = samples["cp -r + fsync"]
+    print(
+        f"{args.tensors:,} tensors in {args.shards} shards, {nbytes / 1e9:.2f} GB, renamed; "
+        f"medians of {args.repeat} runs ({HERE.name}/bench_many.py)\n"
+    )
+    print("| tool | operation | whole process | operation / cp | process / cp | peak RSS "
+          "| RSS grown per tensor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, s in samples.items():
+        if s.failures:
+            print(f"| {name} | failed: {s.failures[0]} | | | | | |")
+        elif name == "cp -r + fsync":
+            print(
+                f"| {name} | {s.median('seconds'):.3f} s | {s.median('process'):.3f} s "
+                f"| 1.00x | 1.00x | {s.median('rss_peak'):,.1f} MiB | |"
+            )
+        else:
+            print(_row(name, s, cp, args.tensors))
+
+
+if __name__ == "__main__":
+    main()
