@@ -345,8 +345,22 @@ def test_refusal_on_the_cli_is_one_line_and_writes_nothing(
 
 
 def test_an_unknown_tensor_is_refused_not_dropped(tmp_path: Path) -> None:
-    src = drafter(tmp_path / "in", extra={"enorm.weight": torch.ones(H, dtype=torch.float16)})
-    for preset in ("eagle-sglang",):
+    # Both loaders would skip a name they do not know; the presets list it instead.
+    for preset, bias in (("eagle-sglang", True), ("eagle-vllm", False)):
+        extra = {"enorm.weight": torch.ones(H, dtype=torch.float16)}
+        src = drafter(tmp_path / preset, bias=bias, extra=extra)
         with pytest.raises(MappingError) as info:
             weightmap.compile(src, preset=preset)
         assert "enorm.weight" in str(info.value)
+
+
+def test_presets_for_the_drafter_names_the_one_that_applies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = drafter(tmp_path / "in")  # with fc.bias, as EAGLE's Model(bias=True) saves it
+    assert main(["presets", "--for", str(src)]) == 0
+    said = {
+        line.split()[0]: line.split(maxsplit=1)[1] for line in capsys.readouterr().out.splitlines()
+    }
+    assert said["eagle-sglang"] == "applies"
+    assert said["eagle-vllm"].startswith("no: fc.bias: vLLM's EAGLE fc has no bias")
