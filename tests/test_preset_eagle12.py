@@ -21,8 +21,8 @@ from weightmap.language.mapping import load_preset
 H, HEADS, KV, INTER, VOCAB = 64, 4, 2, 128, 256
 HD = H // HEADS
 
-# SafeAILab/EAGLE eagle/model/cnets.py: a Llama config with one decoder layer; its Model keeps
-# fc (Linear(2H, H), bias per its `bias` argument), layers.N (layer 0 without
+# SafeAILab/EAGLE eagle/model/cnets1.py (the EAGLE-1/2 model): a Llama config with one decoder
+# layer; its Model keeps fc (Linear(2H, H), bias=True by default), layers.N (layer 0 without
 # input_layernorm) and embed_tokens, all unprefixed; no norm, no lm_head (the target's).
 CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -88,7 +88,7 @@ def drafter(
     folder.mkdir(parents=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     cfg = {**CONFIG, "num_hidden_layers": layers, **(config or {})}
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v != "-"}))
+    (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
 
@@ -264,7 +264,7 @@ SGLANG_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     (
         "gelu",
         {"config": {"hidden_act": "gelu"}},
-        "hidden_act is \"gelu\": SGLang's Llama layer computes silu",
+        'hidden_act is "gelu": SGLang\'s Llama layer computes silu',
     ),
 ]
 
@@ -313,7 +313,7 @@ VLLM_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     (
         "gelu",
         {"bias": False, "config": {"hidden_act": "gelu"}},
-        "hidden_act is \"gelu\": vLLM's Llama layer computes silu here",
+        'hidden_act is "gelu": vLLM\'s Llama layer computes silu here',
     ),
 ]
 
