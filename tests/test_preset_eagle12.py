@@ -71,6 +71,7 @@ def drafter(
     extra: dict[str, torch.Tensor] | None = None,
     drop: tuple[str, ...] = (),
     config: dict[str, Any] | None = None,
+    unset: tuple[str, ...] = (),
 ) -> Path:
     """Writes a tiny EAGLE-1 drafter with the published names, random float16 values."""
     gen = torch.Generator().manual_seed(12)
@@ -88,6 +89,8 @@ def drafter(
     folder.mkdir(parents=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     cfg = {**CONFIG, "num_hidden_layers": layers, **(config or {})}
+    for key in unset:
+        del cfg[key]
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
 
@@ -226,6 +229,7 @@ NOT_EAGLE = (
     "no fc.weight or layers.0.self_attn.q_proj.weight: not an EAGLE drafter as its authors "
     "publish it (unprefixed fc.*, layers.N.*)"
 )
+NO_LAYER_COUNT = "config.json has no num_hidden_layers: not a complete Llama config"
 LAYER0_NORM = {"layers.0.input_layernorm.weight": torch.ones(H, dtype=torch.float16)}
 
 SGLANG_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
@@ -243,6 +247,7 @@ SGLANG_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
         "the eagle3-sglang and eagle3-speculators presets",
     ),
     ("no fc", {"drop": ("fc.weight",)}, NOT_EAGLE),
+    ("no layer count", {"unset": ("num_hidden_layers",)}, NO_LAYER_COUNT),
     (
         "no fc.bias",
         {"bias": False},
@@ -284,6 +289,7 @@ VLLM_REFUSALS: list[tuple[str, dict[str, Any], str]] = [
         "eagle3-sglang preset",
     ),
     ("no layer", {"bias": False, "drop": ("layers.0.self_attn.q_proj.weight",)}, NOT_EAGLE),
+    ("no layer count", {"bias": False, "unset": ("num_hidden_layers",)}, NO_LAYER_COUNT),
     (
         "fc.bias",
         {},
@@ -364,3 +370,13 @@ def test_presets_for_the_drafter_names_the_one_that_applies(
     }
     assert said["eagle-sglang"] == "applies"
     assert said["eagle-vllm"].startswith("no: fc.bias: vLLM's EAGLE fc has no bias")
+
+
+def test_a_layer_beyond_num_hidden_layers_is_refused(tmp_path: Path) -> None:
+    # The loaders build num_hidden_layers layers and would skip layers.1.* here.
+    for preset, bias in (("eagle-sglang", True), ("eagle-vllm", False)):
+        src = drafter(tmp_path / preset, bias=bias, layers=2, config={"num_hidden_layers": 1})
+        with pytest.raises(MappingError) as info:
+            weightmap.compile(src, preset=preset)
+        assert "layers.1.self_attn.q_proj.weight" in str(info.value)
+        assert "layers.0." not in str(info.value)
