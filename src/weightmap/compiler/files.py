@@ -32,7 +32,7 @@ from weightmap.format.text import is_utf8, json_problem
 from weightmap.inputs.sidefiles import FileSpec, bad_file_name
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
-from weightmap.language.values import EvalError, Scope
+from weightmap.language.values import WORK_LIMIT, EvalError, Scope
 from weightmap.plan.parts import is_code_file
 from weightmap.plan.plan import SideFile
 
@@ -57,6 +57,11 @@ _ACTIVE_NAMES = {
     "desktop.ini": "Windows Explorer reads it when it shows the folder",
     "autorun.inf": "Windows reads it when it mounts a drive",
 }
+
+
+# Work units per side file of looking for a close match to a pattern that matched none: difflib's
+# comparison of two names costs about twenty pattern matches.
+_HINT_COST = 20
 
 
 def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> str | None:
@@ -106,6 +111,29 @@ class _Files:
         self.scope = scope
         self.report = report
         self.allow_code = allow_code
+        self.spent = False
+
+    def spend(self, loc: A.Loc, work: int) -> bool:
+        """Charge ``work`` to the mapping's one budget; False once it is spent (said once).
+
+        Matching a pattern tries every side file (up to 10,000), so a mapping of many short
+        `drop?` statements would otherwise cost its size times the folder's, unbounded.
+        """
+        if self.spent:
+            return False
+        try:
+            self.scope.charge(work, loc)
+        except EvalError:
+            self.spent = True
+            self.report(
+                loc,
+                f"files: the mapping's work budget ({WORK_LIMIT:,} units, shared by its "
+                "conditions, checks, config and files blocks) is spent: each pattern costs one "
+                f"unit per side file it is tried on ({len(self.set):,} here); use fewer "
+                "statements, or patterns that match more files at once",
+            )
+            return False
+        return True
 
     def matches(self, p: A.Pattern) -> list[tuple[str, dict[str, object]]]:
         rx = compile_pattern(p)
@@ -120,7 +148,9 @@ class _Files:
     def nothing(self, rule: A.FileRule, p: A.Pattern) -> None:
         if rule.optional:
             return
-        close = difflib.get_close_matches(p.text, list(self.set), n=1)
+        # A close match is looked for at a cost of its own (difflib compares each name).
+        hunt = self.spend(p.loc, _HINT_COST * len(self.set))
+        close = difflib.get_close_matches(p.text, list(self.set), n=1) if hunt else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
         self.report(
             p.loc,
@@ -133,6 +163,8 @@ class _Files:
             self.add(rule)
             return
         for p in rule.patterns:
+            if not self.spend(p.loc, len(self.set)):
+                return
             found = self.matches(p)
             if not found:
                 self.nothing(rule, p)

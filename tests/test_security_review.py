@@ -1,0 +1,137 @@
+"""Regressions from a hostile review of issue 33's changes (docs/safety.md): the one work
+budget also pays for matching side-file patterns, and a side file is copied only at the size
+that was checked."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import weightmap
+import weightmap.compiler.compile as compile_mod
+import weightmap.execute.sidefiles as exec_sidefiles
+from weightmap.errors import CheckpointError, MappingError
+from weightmap.inputs.sidefiles import data_ranges
+
+KEEP_ALL = "weightmap 1\nunmatched keep\n"
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, example: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(example, root)
+    return root
+
+
+def _many_files(root: Path, count: int) -> None:
+    (root / "d").mkdir()
+    for i in range(count):
+        (root / "d" / f"f{i:05d}.txt").write_text("x")
+
+
+# -- the work budget: files statements pay for the side files they try ---------------------------
+
+
+def test_exists_file_in_a_comprehension_walks_the_side_files_once(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each `exists file` walks every side file (up to 10,000) and was charged as one value:
+    # 100,000 of them in a comprehension cost 10**9 matches from a 90-byte mapping.
+    calls: list[object] = []
+    real = compile_mod.file_exists
+
+    def counting(files: object, pattern: object) -> bool:
+        calls.append(pattern)
+        return real(files, pattern)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compile_mod, "file_exists", counting)
+    mapping = KEEP_ALL + 'warn if len([1 for i in [0] * 500 if exists file "zz*"]) > 0 "x"\n'
+    weightmap.compile(ckpt, mapping=mapping)
+    assert len(calls) == 1
+
+
+def test_drop_patterns_spend_the_mappings_one_budget(ckpt: Path) -> None:
+    # 501 statements tried on 2,000 side files are 1,002,000 matches: past the 1,000,000
+    # units a mapping may spend. Each statement used to be free, so a 1 MB mapping of them on
+    # a 10,000-file folder matched for hours.
+    _many_files(ckpt, 2000)
+    stmts = "\n".join(f'    drop? "zz{i}*"' for i in range(501))
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(ckpt, mapping=f"{KEEP_ALL}files {{\n{stmts}\n}}\n")
+    text = str(info.value)
+    assert "(1 problem)" in text
+    assert "files: the mapping's work budget (1,000,000 units" in text
+    assert "(2,000 here)" in text
+
+
+def test_a_close_match_hint_is_paid_for_too(ckpt: Path) -> None:
+    # difflib compares the pattern with every side file, at about twenty matches' cost each:
+    # 30 patterns that match nothing on 2,000 files spend more than the budget.
+    _many_files(ckpt, 2000)
+    stmts = "\n".join(f'    drop "zz{i}*"' for i in range(30))
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(ckpt, mapping=f"{KEEP_ALL}files {{\n{stmts}\n}}\n")
+    assert "files: the mapping's work budget" in str(info.value)
+
+
+def test_a_few_statements_on_a_large_folder_are_within_budget(ckpt: Path) -> None:
+    _many_files(ckpt, 2000)
+    stmts = '    drop "d/f0000*.txt"\n    rename "d/{f}.txt" -> "e/{f}"\n'
+    mapping = f"{KEEP_ALL}files {{\n{stmts}}}\n"
+    plan = weightmap.compile(ckpt, mapping=mapping)
+    names = {f.name for f in plan.files}
+    assert "e/f01999" in names and "d/f00001.txt" not in names
+
+
+# -- side files: copied at the size that was checked ----------------------------------------------
+
+
+def test_a_side_file_grown_after_its_open_is_refused(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The copy compared the file's state after it with the state before it, but not that state
+    # with the plan's size: a file appended to between its open and the copy came out cut to
+    # its planned prefix, with exit 0.
+    side = ckpt / "notes.txt"
+    side.write_bytes(b"a" * 10_000)
+    real = exec_sidefiles.open_side_file
+
+    def opening(root: Path, name: str, size: int) -> int:
+        fd = real(root, name, size)
+        if name == "notes.txt":
+            with side.open("ab") as f:
+                f.write(b"appended")
+        return fd
+
+    monkeypatch.setattr(exec_sidefiles, "open_side_file", opening)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"changed before it was copied.*\[changed\]"):
+        weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
+    assert not out.exists()
+
+
+def test_a_file_cut_between_seek_data_and_seek_hole_ends_the_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SEEK_HOLE past the end (the file cut since SEEK_DATA found data) raised ENXIO out of
+    # the copy as a bare OSError; the ranges now end there, and the state check after the
+    # copy names the change.
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    real = os.lseek
+
+    def lseek(fd: int, pos: int, how: int) -> int:
+        if how == os.SEEK_HOLE:
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+        return real(fd, pos, how)
+
+    monkeypatch.setattr(os, "lseek", lseek)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert data_ranges(fd, 8192) == []
+    finally:
+        os.close(fd)
