@@ -87,6 +87,37 @@ def test_a_few_statements_on_a_large_folder_are_within_budget(ckpt: Path) -> Non
     assert "e/f01999" in names and "d/f00001.txt" not in names
 
 
+# -- names: compared as Windows and macOS compare them --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["Config.json", "CONFIG.JSON", "config.json.", "Model.SafeTensors."]
+)
+def test_a_mapping_cannot_add_the_config_under_a_folded_name(ckpt: Path, name: str) -> None:
+    # Beside the config.json the conversion writes, a copy of the output on Windows or macOS
+    # keeps one of the two: maybe the mapping's, whose text the plan's config diff never shows.
+    mapping = f'{KEEP_ALL}files {{\n    add "{name}" = {{"auto_map": {{}}}}\n}}\n'
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(ckpt, mapping=mapping)
+    assert f"side file name {name!r} (added) is " in str(info.value)
+    assert "a file the conversion writes itself" in str(info.value)
+
+
+def test_names_that_differ_only_in_case_are_refused(ckpt: Path) -> None:
+    (ckpt / "README.md").write_text("# the model\n")
+    mapping = f'{KEEP_ALL}files {{\n    add "readme.MD " = "# another"\n}}\n'
+    with pytest.raises(MappingError) as info:
+        weightmap.compile(ckpt, mapping=mapping)
+    assert "<string>:4:5: files: 'README.md', 'readme.MD ' differ only in case" in str(info.value)
+    # A subfolder's config.json, and the input's own names, are no clash.
+    (ckpt / "Notes.txt").write_text("a")
+    (ckpt / "notes.txt").write_text("b")
+    plan = weightmap.compile(
+        ckpt, mapping=f'{KEEP_ALL}files {{\n    add "tok/Config.json" = {{}}\n}}\n'
+    )
+    assert {"Notes.txt", "notes.txt", "tok/Config.json"} <= {f.name for f in plan.files}
+
+
 # -- side files: copied at the size that was checked ----------------------------------------------
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.format.text import is_utf8, json_problem
-from weightmap.inputs.sidefiles import FileSpec, bad_file_name
+from weightmap.inputs.sidefiles import FileSpec, bad_file_name, replaced_reason
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
 from weightmap.language.values import WORK_LIMIT, EvalError, Scope
@@ -64,6 +64,12 @@ _ACTIVE_NAMES = {
 _HINT_COST = 20
 
 
+def _folded(name: str) -> str:
+    """``name`` as Windows and macOS file systems compare it: case folded, each component's
+    trailing dots and spaces dropped (a folder copied there holds one file of all such names)."""
+    return "/".join(part.rstrip(". ").casefold() for part in name.split("/"))
+
+
 def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> str | None:
     """Why a mapping may not give a side file the name ``name``, or None if it may.
 
@@ -86,6 +92,14 @@ def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> 
                 f"has the component {part!r}, which a mapping never writes ({why}): choose "
                 "another name"
             )
+    folded = _folded(name)
+    if folded != name and replaced_reason(folded) in ("config", "weights", "index"):
+        # `Config.json` beside the written config.json: copied to Windows or macOS, one of the
+        # two remains, and a config the plan's diff never showed may be the one loaded.
+        return (
+            f"is {folded!r} where case and trailing dots and spaces are ignored (Windows, "
+            "macOS), a file the conversion writes itself: choose another name"
+        )
     if is_code_file(name) and not (allow_code or kept):
         return (
             "is a code file that loaders run (transformers' trust_remote_code imports *.py); "
@@ -232,11 +246,30 @@ class _Files:
         else:
             self.set[name] = entry
 
+    def same_folded(self, names: list[str]) -> None:
+        """Report names a mapping gave that differ from another side file's only as
+        Windows and macOS ignore (``README.MD`` beside ``README.md``): copied there, the
+        folder keeps one of them. The input's own names are carried as they are."""
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(_folded(n), []).append(n)
+        for same in groups.values():
+            given = [loc for n in same if (loc := self.set[n].origin) is not None]
+            if len(same) > 1 and given:
+                shown = ", ".join(repr(n[:80]) for n in same)
+                self.report(
+                    given[0],
+                    f"files: {shown} differ only in case or trailing dots and spaces, and are "
+                    "one file on Windows and macOS (a copy of the output there keeps one): "
+                    "choose names that differ otherwise",
+                )
+
     def result(self, report_at: A.Loc) -> tuple[SideFile, ...]:
         names = sorted(self.set)
         folders = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)}
         for clash in sorted(folders & set(names)):
             self.report(report_at, f"files: {clash!r} is both a file and a folder")
+        self.same_folded(names)
         return tuple(
             SideFile(name=n, size=e.size, source=e.source, text=e.text, origin=e.origin)
             for n in names
