@@ -13,6 +13,7 @@ import pytest
 
 import weightmap
 import weightmap.compiler.compile as compile_mod
+import weightmap.execute.inplace as inplace
 import weightmap.execute.sidefiles as exec_sidefiles
 from weightmap.errors import CheckpointError, MappingError
 from weightmap.inputs.sidefiles import data_ranges
@@ -166,3 +167,34 @@ def test_a_file_cut_between_seek_data_and_seek_hole_ends_the_ranges(
         assert data_ranges(fd, 8192) == []
     finally:
         os.close(fd)
+
+
+# -- in place: the index rewritten is the one that was checked -----------------------------------
+
+
+def test_an_inplace_rename_never_rewrites_a_swapped_index(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The in-place rename read the index again by name (following links, unbounded, blocking
+    # on a FIFO) and wrote it back with the new weight map: a racer in a shared folder who
+    # swapped it for a link to a credentials file got the file's JSON written into the folder.
+    root = tmp_path / "sharded"
+    weightmap.remap(example, root, mapping=KEEP_ALL, max_shard_size="64KB", progress=False)
+    index = root / "model.safetensors.index.json"
+    secret = tmp_path / "home" / ".docker" / "config.json"
+    secret.parent.mkdir(parents=True)
+    secret.write_text('{"auths": {"registry": {"auth": "c2VjcmV0LXRva2Vu"}}}\n')
+    real = inplace._check_unchanged
+
+    def swapping(ckpt: object) -> None:
+        real(ckpt)  # type: ignore[arg-type]
+        index.unlink()
+        index.symlink_to(secret)
+
+    monkeypatch.setattr(inplace, "_check_unchanged", swapping)
+    rename = 'weightmap 1\nrename "layers.0.{rest*}" -> "midlayer.{rest}"\nunmatched keep\n'
+    with pytest.raises(CheckpointError, match=r"link-escape"):
+        weightmap.remap(root, mapping=rename, inplace=True)
+    for path in root.iterdir():
+        if path.is_file() and not path.is_symlink():
+            assert b"c2VjcmV0LXRva2Vu" not in path.read_bytes(), path

@@ -39,6 +39,7 @@ from weightmap.format.text import read_json_file, same_json
 from weightmap.fs.atomic import fsync_dir, temporary_path
 from weightmap.fs.lock import folder_lock
 from weightmap.inputs.checkpoint import Checkpoint, resolve_shard
+from weightmap.inputs.opening import read_folder_json
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
@@ -189,7 +190,16 @@ def rewrite_inplace(plan: Plan, ckpt: Checkpoint) -> list[Path]:
             weight_map = {
                 out.name: ckpt.file_of(out.node.sources()[0].name).name for out in plan.outputs
             }
-            old = json.loads(ckpt.index_path.read_text())
+            # Through one checked descriptor, as Checkpoint.open read it: this text is written
+            # back, so a name swapped for a link (to a credentials file) must not be followed.
+            old = read_folder_json(root, ckpt.index_path, ckpt.index_path.name)
+            if not isinstance(old, dict):
+                raise CheckpointError(
+                    "the index changed since the checkpoint was opened (it is no JSON object "
+                    "now); nothing was changed: run the rename again",
+                    path=ckpt.index_path,
+                    rule="changed",
+                )
             old["weight_map"] = dict(sorted(weight_map.items()))
             journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
         # Compared with config.json as it is, not with the config the plan read: a mapping's
