@@ -15,10 +15,11 @@ import weightmap
 import weightmap.compiler.compile as compile_mod
 import weightmap.execute.inplace as inplace
 import weightmap.execute.sidefiles as exec_sidefiles
-from weightmap.errors import CheckpointError, MappingError
+from weightmap.errors import CheckpointError, ExecutionError, MappingError
 from weightmap.inputs.sidefiles import data_ranges
 
 KEEP_ALL = "weightmap 1\nunmatched keep\n"
+RENAME = 'weightmap 1\nrename "layers.0.{rest*}" -> "midlayer.{rest}"\nunmatched keep\n'
 
 
 @pytest.fixture
@@ -192,9 +193,47 @@ def test_an_inplace_rename_never_rewrites_a_swapped_index(
         index.symlink_to(secret)
 
     monkeypatch.setattr(inplace, "_check_unchanged", swapping)
-    rename = 'weightmap 1\nrename "layers.0.{rest*}" -> "midlayer.{rest}"\nunmatched keep\n'
     with pytest.raises(CheckpointError, match=r"link-escape"):
-        weightmap.remap(root, mapping=rename, inplace=True)
+        weightmap.remap(root, mapping=RENAME, inplace=True)
     for path in root.iterdir():
         if path.is_file() and not path.is_symlink():
             assert b"c2VjcmV0LXRva2Vu" not in path.read_bytes(), path
+
+
+def test_an_inplace_rename_never_writes_a_header_through_a_swapped_shard(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shards' headers were written by opening their names (following links): a shard
+    # swapped for a link to another file after the checks had that file written into.
+    root = tmp_path / "sharded"
+    weightmap.remap(example, root, mapping=KEEP_ALL, max_shard_size="64KB", progress=False)
+    victim = tmp_path / "home" / ".bashrc"
+    victim.parent.mkdir(parents=True)
+    before = b"#" * 4096
+    victim.write_bytes(before)
+    shard = sorted(root.glob("model-*.safetensors"))[0]
+    real = inplace._check_writable
+
+    def swapping(*args: object) -> None:
+        real(*args)  # type: ignore[arg-type]
+        shard.unlink()
+        shard.symlink_to(victim)
+
+    monkeypatch.setattr(inplace, "_check_writable", swapping)
+    with pytest.raises(ExecutionError, match=r"cannot rewrite its header: it is a link out of"):
+        weightmap.remap(root, mapping=RENAME, inplace=True)
+    assert victim.read_bytes() == before
+    assert (root / ".weightmap-inplace-journal.json").exists()  # for `clean`, once it is back
+
+
+def test_an_inplace_rename_still_follows_a_link_inside_the_folder(
+    tmp_path: Path, example: Path
+) -> None:
+    root = tmp_path / "linked"
+    weightmap.remap(example, root, mapping=KEEP_ALL, progress=False)
+    (root / "model.safetensors").rename(root / "weights-v2.safetensors")
+    (root / "model.safetensors").symlink_to("weights-v2.safetensors")
+    weightmap.remap(root, mapping=RENAME, inplace=True)
+    assert (root / "model.safetensors").is_symlink()
+    names = {o.name for o in weightmap.compile(root, mapping=KEEP_ALL).outputs}
+    assert "midlayer.self_attn.q_proj.weight" in names
