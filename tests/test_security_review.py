@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ import weightmap
 import weightmap.compiler.compile as compile_mod
 import weightmap.execute.inplace as inplace
 import weightmap.execute.sidefiles as exec_sidefiles
-from weightmap.errors import CheckpointError, ExecutionError, MappingError
+from weightmap.errors import CheckpointError, ExecutionError, FormatError, MappingError
+from weightmap.format.header import read_header
 from weightmap.inputs.sidefiles import data_ranges
 
 KEEP_ALL = "weightmap 1\nunmatched keep\n"
@@ -237,3 +239,31 @@ def test_an_inplace_rename_still_follows_a_link_inside_the_folder(
     assert (root / "model.safetensors").is_symlink()
     names = {o.name for o in weightmap.compile(root, mapping=KEEP_ALL).outputs}
     assert "midlayer.self_attn.q_proj.weight" in names
+
+
+# -- shards: a FIFO swapped in is refused, never waited on ---------------------------------------
+
+
+def test_a_shard_swapped_for_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
+    # The folder's listing names special files, but the header was then read by opening the
+    # name, which waits for a writer forever on a FIFO put there in between.
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def reading() -> None:
+        try:
+            read_header(fifo)
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=reading, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():  # let the blocked open return before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("read_header waited on a FIFO")
+    assert isinstance(outcome[0], FormatError)
+    assert "is a FIFO, not a safetensors file [not-a-file]" in str(outcome[0])
