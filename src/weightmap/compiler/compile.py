@@ -99,7 +99,12 @@ class _Compiler:
 
     def exists(self, pattern: A.Pattern) -> bool:
         if isinstance(pattern, A.FilePattern):
-            return file_exists(None if self.files is None else self.files.files, pattern)
+            # Asked once per pattern: every call walks all the side files (up to 10,000), which
+            # a comprehension repeating `exists file` would multiply past the work budget.
+            if pattern not in self._exists:
+                files = None if self.files is None else self.files.files
+                self._exists[pattern] = file_exists(files, pattern)
+            return self._exists[pattern]
         if pattern.is_literal:  # a name (or a pattern whose captures were bound): a lookup
             if self._names is None:
                 self._names = frozenset(s.name for s in self.inputs)

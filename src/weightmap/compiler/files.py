@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.format.text import is_utf8, json_problem
-from weightmap.inputs.sidefiles import FileSpec, bad_file_name
+from weightmap.inputs.sidefiles import FileSpec, bad_file_name, replaced_reason
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_expr, render
-from weightmap.language.values import EvalError, Scope
+from weightmap.language.values import WORK_LIMIT, EvalError, Scope
 from weightmap.plan.parts import is_code_file
 from weightmap.plan.plan import SideFile
 
@@ -59,6 +59,17 @@ _ACTIVE_NAMES = {
 }
 
 
+# Work units per side file of looking for a close match to a pattern that matched none: difflib's
+# comparison of two names costs about twenty pattern matches.
+_HINT_COST = 20
+
+
+def _folded(name: str) -> str:
+    """``name`` as Windows and macOS file systems compare it: case folded, each component's
+    trailing dots and spaces dropped (a folder copied there holds one file of all such names)."""
+    return "/".join(part.rstrip(". ").casefold() for part in name.split("/"))
+
+
 def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> str | None:
     """Why a mapping may not give a side file the name ``name``, or None if it may.
 
@@ -81,6 +92,14 @@ def written_name_problem(name: str, *, allow_code: bool, kept: bool = False) -> 
                 f"has the component {part!r}, which a mapping never writes ({why}): choose "
                 "another name"
             )
+    folded = _folded(name)
+    if folded != name and replaced_reason(folded) in ("config", "weights", "index"):
+        # `Config.json` beside the written config.json: copied to Windows or macOS, one of the
+        # two remains, and a config the plan's diff never showed may be the one loaded.
+        return (
+            f"is {folded!r} where case and trailing dots and spaces are ignored (Windows, "
+            "macOS), a file the conversion writes itself: choose another name"
+        )
     if is_code_file(name) and not (allow_code or kept):
         return (
             "is a code file that loaders run (transformers' trust_remote_code imports *.py); "
@@ -106,6 +125,29 @@ class _Files:
         self.scope = scope
         self.report = report
         self.allow_code = allow_code
+        self.spent = False
+
+    def spend(self, loc: A.Loc, work: int) -> bool:
+        """Charge ``work`` to the mapping's one budget; False once it is spent (said once).
+
+        Matching a pattern tries every side file (up to 10,000), so a mapping of many short
+        `drop?` statements would otherwise cost its size times the folder's, unbounded.
+        """
+        if self.spent:
+            return False
+        try:
+            self.scope.charge(work, loc)
+        except EvalError:
+            self.spent = True
+            self.report(
+                loc,
+                f"files: the mapping's work budget ({WORK_LIMIT:,} units, shared by its "
+                "conditions, checks, config and files blocks) is spent: each pattern costs one "
+                f"unit per side file it is tried on ({len(self.set):,} here); use fewer "
+                "statements, or patterns that match more files at once",
+            )
+            return False
+        return True
 
     def matches(self, p: A.Pattern) -> list[tuple[str, dict[str, object]]]:
         rx = compile_pattern(p)
@@ -120,7 +162,9 @@ class _Files:
     def nothing(self, rule: A.FileRule, p: A.Pattern) -> None:
         if rule.optional:
             return
-        close = difflib.get_close_matches(p.text, list(self.set), n=1)
+        # A close match is looked for at a cost of its own (difflib compares each name).
+        hunt = self.spend(p.loc, _HINT_COST * len(self.set))
+        close = difflib.get_close_matches(p.text, list(self.set), n=1) if hunt else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
         self.report(
             p.loc,
@@ -133,6 +177,8 @@ class _Files:
             self.add(rule)
             return
         for p in rule.patterns:
+            if not self.spend(p.loc, len(self.set)):
+                return
             found = self.matches(p)
             if not found:
                 self.nothing(rule, p)
@@ -200,11 +246,30 @@ class _Files:
         else:
             self.set[name] = entry
 
+    def same_folded(self, names: list[str]) -> None:
+        """Report names a mapping gave that differ from another side file's only as
+        Windows and macOS ignore (``README.MD`` beside ``README.md``): copied there, the
+        folder keeps one of them. The input's own names are carried as they are."""
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(_folded(n), []).append(n)
+        for same in groups.values():
+            given = [loc for n in same if (loc := self.set[n].origin) is not None]
+            if len(same) > 1 and given:
+                shown = ", ".join(repr(n[:80]) for n in same)
+                self.report(
+                    given[0],
+                    f"files: {shown} differ only in case or trailing dots and spaces, and are "
+                    "one file on Windows and macOS (a copy of the output there keeps one): "
+                    "choose names that differ otherwise",
+                )
+
     def result(self, report_at: A.Loc) -> tuple[SideFile, ...]:
         names = sorted(self.set)
         folders = {"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)}
         for clash in sorted(folders & set(names)):
             self.report(report_at, f"files: {clash!r} is both a file and a folder")
+        self.same_folded(names)
         return tuple(
             SideFile(name=n, size=e.size, source=e.source, text=e.text, origin=e.origin)
             for n in names

@@ -40,6 +40,7 @@ from weightmap.fs.atomic import fsync_dir, temporary_path
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.lock import folder_lock
 from weightmap.inputs.checkpoint import Checkpoint, resolve_shard
+from weightmap.inputs.opening import read_folder_json
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
@@ -197,7 +198,16 @@ def rewrite_inplace(
             weight_map = {
                 out.name: ckpt.file_of(out.node.sources()[0].name).name for out in plan.outputs
             }
-            old = json.loads(ckpt.index_path.read_text())
+            # Through one checked descriptor, as Checkpoint.open read it: this text is written
+            # back, so a name swapped for a link (to a credentials file) must not be followed.
+            old = read_folder_json(root, ckpt.index_path, ckpt.index_path.name)
+            if not isinstance(old, dict):
+                raise CheckpointError(
+                    "the index changed since the checkpoint was opened (it is no JSON object "
+                    "now); nothing was changed: run the rename again",
+                    path=ckpt.index_path,
+                    rule="changed",
+                )
             old["weight_map"] = dict(sorted(weight_map.items()))
             journal["index"] = json.dumps(old, indent=2, sort_keys=True) + "\n"
         # Compared with config.json as it is, not with the config the plan read: a mapping's
@@ -293,9 +303,36 @@ def _check_writable(root: Path, journal: Journal, what: str) -> None:
         )
 
 
+def _open_shard_for_header(root: Path, path: Path) -> int:
+    """A shard of ``root``, opened for its header to be written where it is: a link only to a
+    file of the folder itself (as ``check_inplace_source`` allowed), opened by the name it
+    resolved to without following a link, never waiting on a FIFO, and a regular file. A shard
+    swapped for a link to another file (in a shared folder) would have that file written into."""
+    fd, why = -1, None
+    try:
+        resolved = path.resolve()
+        if resolved.parent != root.resolve():
+            why = f"it is a link out of the folder (to {resolved})"
+        else:
+            fd = os.open(resolved, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, RuntimeError) as exc:  # (RuntimeError: a loop, before Python 3.13)
+        why = f"it cannot be opened ({getattr(exc, 'strerror', None) or 'a loop of links'})"
+    if fd >= 0 and not stat.S_ISREG(os.fstat(fd).st_mode):
+        why = "it is not a regular file"
+    if why is not None:
+        if fd >= 0:
+            os.close(fd)
+        raise ExecutionError(
+            f"{path}: cannot rewrite its header: {why}, though it was checked before (the "
+            f"folder changed); the journal {JOURNAL_NAME} is kept: put the shard back and run "
+            "`weightmap clean` to finish the rename"
+        )
+    return fd
+
+
 def _replay(root: Path, journal: Journal) -> None:
     for path, data in journal.files.items():
-        fd = os.open(path, os.O_WRONLY)
+        fd = _open_shard_for_header(root, path)
         try:
             written = 0
             while written < len(data):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter, eq, lt
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -24,6 +24,7 @@ from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.slots import make_tuple
 from weightmap.format.text import is_utf8, nesting_exceeds
+from weightmap.fs.safeopen import kind
 
 __all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
 
@@ -501,8 +502,14 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     """
     p = os.fspath(path)
     try:
-        with Path(p).open("rb") as f:
+        # NONBLOCK: a FIFO swapped in since the folder was listed is refused, not waited on.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(st.st_mode):
+                raise _fail(p, "not-a-file", f"is a {kind(st.st_mode)}, not a safetensors file")
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise _fail(

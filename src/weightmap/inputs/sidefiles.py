@@ -354,6 +354,15 @@ def copy_file(src_fd: int, dst: Path, size: int, source: Path | None = None) -> 
     file copied, for messages.
     """
     before = os.fstat(src_fd)
+    if before.st_size != size:
+        # Grown (or cut) since it was opened and measured: only the planned bytes would be
+        # copied, and the check after the copy compares with this state, not the plan's.
+        raise CheckpointError(
+            f"changed before it was copied ({before.st_size:,} bytes, planned {size:,}); nothing "
+            "was committed: run the conversion again once it holds still",
+            path=source or dst.name,
+            rule="changed",
+        )
     # Created private, then given the source's read and write bits: a 0600 secret must not
     # come out world-readable. No executable bit (nor setuid, setgid, sticky): an output folder
     # holds nothing to run, whatever a mapping renames a file to (docs/safety.md).
@@ -420,7 +429,12 @@ def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
             raise
         if begin >= size:
             break
-        end = min(os.lseek(fd, begin, os.SEEK_HOLE), size)
+        try:
+            end = min(os.lseek(fd, begin, os.SEEK_HOLE), size)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            break  # cut below `begin` since SEEK_DATA: caught by the state check afterwards
         ranges.append((begin, end))
         position = end
     # A file that grew meanwhile ends in a hole here: caught by the state check afterwards.
