@@ -62,6 +62,22 @@ def _same_output(a: Path, b: Path) -> bool:
     return _hash(a) == _hash(b)
 
 
+def _temporary_lifetime(
+    proc: subprocess.Popen[bytes], folder: Path, until_seen: bool = False
+) -> float | None:
+    """Seconds during which a temporary folder of the run ``proc`` is in ``folder`` (None if
+    it never showed); ``until_seen``: return as soon as it shows (0.0)."""
+    first = last = None
+    while proc.poll() is None:
+        if any(TMP_MARKER in p.name for p in folder.iterdir()):
+            last = time.monotonic()
+            first = first or last
+            if until_seen:
+                return 0.0
+        time.sleep(0.002)
+    return None if first is None or last is None else last - first
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cast", "rename"])
 def test_kill_9_at_random_points(
@@ -84,15 +100,23 @@ def test_kill_9_at_random_points(
         "--quiet",
     ]
     start = time.monotonic()
-    subprocess.run(cmd, check=True, timeout=300)
+    proc = subprocess.Popen(cmd)
+    # How long the temporary folder lives (the writing): imports and the plan come before it,
+    # and they take most of the run, so kills timed by the whole run alone would seldom land
+    # in the writing.
+    window = _temporary_lifetime(proc, tmp_path)
+    assert proc.wait(timeout=300) == 0
     full = time.monotonic() - start  # interpreter start, imports, then the conversion
     shutil.rmtree(dest)
     rng = random.Random(1234)
     outcomes = {"before": 0, "mid-write": 0, "complete": 0}
-    for _ in range(12):
+    for i in range(12):
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Most kills land late, where the writing is; a few early ones cover the start.
-        time.sleep(full * rng.choice([rng.uniform(0.1, 0.6), rng.uniform(0.6, 1.05)]))
+        if i % 2 and _temporary_lifetime(proc, tmp_path, until_seen=True) is not None:
+            # Every other kill lands in the writing: once the temporary folder is there.
+            time.sleep(rng.uniform(0.0, 0.8) * (window or 0.0))
+        else:  # anywhere in the run, the start and the commit included
+            time.sleep(full * rng.choice([rng.uniform(0.1, 0.6), rng.uniform(0.6, 1.05)]))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         leftovers = [p for p in tmp_path.iterdir() if TMP_MARKER in p.name]
