@@ -202,8 +202,12 @@ def test_only_the_files_the_plan_needs_are_downloaded(
     mapping = 'weightmap 1\nunmatched keep\nfiles {\n    drop "README.md"\n}\n'
     result = weightmap.remap("org/tiny", tmp_path / "out", mapping=mapping, progress=False)
     # The weights and config first, then the side files the plan keeps; never the .bin copy
-    # of the weights, the dropped README or the hidden files.
-    assert asked == [["config.json", "model.safetensors"], ["tok/vocab.txt", "tokenizer.json"]]
+    # of the weights, the dropped README or the hidden files. One file a call: a stop asked
+    # for is honoured between files.
+    assert all(len(call) == 1 for call in asked)
+    got = [call[0] for call in asked]
+    assert sorted(got[:2]) == ["config.json", "model.safetensors"]
+    assert sorted(got[2:]) == ["tok/vocab.txt", "tokenizer.json"]
     assert sorted(f.name for f in result.plan.files) == ["tok/vocab.txt", "tokenizer.json"]
     assert (tmp_path / "out" / "tok" / "vocab.txt").read_text() == "a\nb\n"
 
@@ -334,7 +338,7 @@ def test_a_repo_with_both_forms_is_read_as_a_local_copy_is(
     (remote / "pytorch_model-00001-of-00001.bin").write_bytes(b"pickled weights")
     asked = _fake_hub(monkeypatch, tmp_path, remote)
     plan = weightmap.compile("org/tiny", preset="eagle3-sglang")
-    assert asked[0] == ["config.json", "model.safetensors"]
+    assert sorted(name for call in asked for name in call) == ["config.json", "model.safetensors"]
     assert plan.outputs == weightmap.compile(remote, preset="eagle3-sglang").outputs
 
 
@@ -447,3 +451,26 @@ def test_a_snapshot_linked_out_of_the_cache_is_refused_before_a_download(
         weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", progress=False)
     assert info.value.rule == "hub-snapshot-link"
     assert asked == [] and list(elsewhere.iterdir()) == []
+
+
+def test_a_cancel_stops_the_download_between_files(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop asked for during a download is honoured before the next file: huggingface_hub's
+    download of several files finishes its whole batch before returning."""
+    import threading
+
+    remote = _model(tmp_path, example)
+    asked = _fake_hub(monkeypatch, tmp_path, remote)
+    stop = threading.Event()
+    real = hub.snapshot_download
+
+    def download_then_stop(*args: Any, **kw: Any) -> str:
+        stop.set()  # (as a Ctrl-C or a caller's cancel would, while the first file comes in)
+        return str(real(*args, **kw))
+
+    monkeypatch.setattr(hub, "snapshot_download", download_then_stop)
+    with pytest.raises(weightmap.Cancelled, match="the download was cancelled"):
+        weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", cancel=stop)
+    assert len(asked) == 1  # the first file, not the second
+    assert not (tmp_path / "out").exists()

@@ -263,7 +263,7 @@ def remap(
     bars = progress is True or (progress is None and sys.stderr.isatty())
 
     # resolve the input -> compile -> run in the chosen mode.
-    src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=bars)
+    src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=bars, cancel=token)
     token.check()
     # One pause of the collector over the conversion (fs/gcpause.py): it ends once the mode
     # has returned, so that what the conversion made and dropped is never walked. A
@@ -288,7 +288,8 @@ def remap(
         if dry_run:
             return run_dry(plan, ckpt, dest, overwrite=overwrite, inplace=inplace)
         token.check()
-        src.fetch((f.source for f in plan.files if f.source is not None), progress=bars)
+        carried = (f.source for f in plan.files if f.source is not None)
+        src.fetch(carried, progress=bars, cancel=token)
         token.check()
         if inplace:
             return run_inplace(plan, ckpt, start, token)

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from weightmap.errors import CheckpointError
 from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
+from weightmap.fs.cancel import CancelToken
 from weightmap.fs.safeopen import kind, read_bounded
 from weightmap.inputs.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
 from weightmap.inputs.opening import opened, read_folder_json
@@ -307,9 +308,22 @@ class HubRepo:
         shown = redacted(str(err), secrets=self._secrets())
         return self._fail(f"the Hub refused the request ({name}: {shown})", "hub")
 
-    def fetch(self, names: list[str], *, progress: bool = True, side: bool = False) -> Path:
+    def fetch(
+        self,
+        names: list[str],
+        *,
+        progress: bool = True,
+        side: bool = False,
+        cancel: CancelToken | None = None,
+    ) -> Path:
         """The snapshot folder, holding at least ``names`` (downloaded where missing);
-        ``side``: they are side files, which the error for a missing one says can be left out."""
+        ``side``: they are side files, which the error for a missing one says can be left out.
+
+        Downloaded one file at a time, ``cancel`` checked before each: huggingface_hub's
+        download of several files runs a pool of its own that finishes every queued file
+        before it returns, so a conversion asked to stop would go on downloading until then.
+        A file already cached costs one look-up of the revision.
+        """
         if self.offline or not names:
             folder = self.cached_snapshot()
         else:
@@ -329,18 +343,23 @@ class HubRepo:
                 known = self._storage() / "snapshots" / self.commit
                 if known.is_dir():
                     self._check_snapshot(known)
-            try:
-                folder = Path(
-                    self.hub.snapshot_download(
-                        self.repo_id,
-                        revision=self.commit or self.revision,
-                        allow_patterns=[_fnmatch_literal(n) for n in names],
-                        **kwargs,
+            folder = None
+            for name in names:
+                if cancel is not None:
+                    cancel.check("the download")
+                try:
+                    folder = Path(
+                        self.hub.snapshot_download(
+                            self.repo_id,
+                            revision=self.commit or self.revision,
+                            allow_patterns=[_fnmatch_literal(name)],
+                            **kwargs,
+                        )
                     )
-                )
-            except Exception as err:
-                raise self._translated(err) from None
-            self._remember_revision(folder)
+                except Exception as err:
+                    raise self._translated(err) from None
+            if folder is not None:  # (names is not empty here)
+                self._remember_revision(folder)
         if folder is not None:
             self._check_snapshot(folder)
         # (A FIFO or device is there, not missing: opening it says what it is.)

@@ -19,6 +19,7 @@ from weightmap.errors import CheckpointError
 from weightmap.inputs.sidefiles import FolderFiles, list_side_files
 
 if TYPE_CHECKING:
+    from weightmap.fs.cancel import CancelToken
     from weightmap.inputs.checkpoint import Checkpoint
     from weightmap.inputs.hub import HubRepo
 
@@ -63,9 +64,16 @@ class ResolvedInput:
     listing: dict[str, int] | None = None
 
     @classmethod
-    def resolve(cls, checkpoint: PathLike, config_name: str, *, progress: bool) -> ResolvedInput:
+    def resolve(
+        cls,
+        checkpoint: PathLike,
+        config_name: str,
+        *,
+        progress: bool,
+        cancel: CancelToken | None = None,
+    ) -> ResolvedInput:
         """A local path as it is; a Hub id with its weights and config fetched (the cache
-        first), its side files listed but not fetched."""
+        first, ``cancel`` checked between files), its side files listed but not fetched."""
         given = os.fspath(checkpoint)
         if given.startswith("~") and Path(given).expanduser().exists():
             checkpoint = given = os.path.expanduser(given)  # (quoted, so no shell expanded it)
@@ -80,7 +88,7 @@ class ResolvedInput:
         repo = HubRepo(given)
         listing = repo.files()
         wanted = repo.checkpoint_files(listing, config_name)
-        return cls(repo.fetch(wanted, progress=progress), True, repo, listing)
+        return cls(repo.fetch(wanted, progress=progress, cancel=cancel), True, repo, listing)
 
     def side_files(
         self, ckpt: Checkpoint, config_name: str, carry: bool, out: PathLike | None
@@ -95,9 +103,11 @@ class ResolvedInput:
         exclude = [Path(out)] if out is not None else []
         return list_side_files(ckpt.root, config_name=config_name, exclude=exclude)
 
-    def fetch(self, wanted: Iterable[str], *, progress: bool) -> None:
+    def fetch(
+        self, wanted: Iterable[str], *, progress: bool, cancel: CancelToken | None = None
+    ) -> None:
         """Download the side files ``wanted`` (paths in the repository) from a repository, the
-        cache first; nothing for a local input."""
+        cache first, ``cancel`` checked between files; nothing for a local input."""
         names = list(wanted)
         if self.repo is not None and names:
-            self.repo.fetch(names, progress=progress, side=True)
+            self.repo.fetch(names, progress=progress, side=True, cancel=cancel)
