@@ -144,26 +144,10 @@ def compile(
     rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
         src = ResolvedInput(checkpoint.root, True)
-        files = src.side_files(checkpoint, rules.config_file, side_files, None)
-        return compile_plan(
-            rules,
-            checkpoint.specs(),
-            checkpoint.config,
-            params=_params(params),
-            files=files,
-            allow_code=allow_code,
-        )
+        return _compile_for(src, checkpoint, rules, _params(params), side_files, allow_code)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=False)
     with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
-        files = src.side_files(ckpt, rules.config_file, side_files, None)
-        return compile_plan(
-            rules,
-            ckpt.specs(),
-            ckpt.config,
-            params=_params(params),
-            files=files,
-            allow_code=allow_code,
-        )
+        return _compile_for(src, ckpt, rules, _params(params), side_files, allow_code)
 
 
 def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
@@ -279,7 +263,7 @@ def remap(
         if dest is not None and src.folder and src.repo is None:
             check_not_in_input(dest, ckpt.root)
         plan = _compile_for(
-            src, ckpt, rules, _params(params), side_files, dest, inplace, allow_code
+            src, ckpt, rules, _params(params), side_files, allow_code, dest, inplace
         )
         if src.repo is not None or verify or executor != "local" or not plan.is_rename_only:
             pause.release()
@@ -316,11 +300,12 @@ def _compile_for(
     rules: RuleMapping,
     params: dict[str, Any],
     side_files: bool,
-    dest: Path | None,
-    inplace: bool,
-    allow_code: bool = False,
+    allow_code: bool,
+    dest: Path | None = None,
+    inplace: bool = False,
 ) -> Plan:
-    """The plan of ``rules`` over ``ckpt``, with the side files the chosen mode carries."""
+    """The plan of ``rules`` over ``ckpt``, with the side files the chosen mode carries
+    (``dest``: an output folder inside the input one, left out of them)."""
     carried = src.side_files(ckpt, rules.config_file, side_files, dest)
     if inplace and carried is not None:
         # Listed in place too, so that `exists file` sees what a conversion into a new folder
@@ -420,15 +405,7 @@ def iter_tensors(
     try:
         # With the side files `remap` lists, though none is copied: `exists file` must see
         # them, or a mapping that tests for one would yield other tensors than it writes.
-        files = src.side_files(ckpt, rules.config_file, True, None)
-        plan = compile_plan(
-            rules,
-            ckpt.specs(),
-            ckpt.config,
-            params=_params(params),
-            files=files,
-            allow_code=allow_code,
-        )
+        plan = _compile_for(src, ckpt, rules, _params(params), True, allow_code)
         check_torch_shapes(plan)
     except WeightmapError:
         ckpt.close()
