@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 import weightmap
-from test_values import DEQUANT, E4M3, FP8_MAX, QUANT, _bits, _save
+from test_values import DEQUANT, E4M3, FP8_MAX, QUANT
+
+from valuetools import as_bytes, save_checkpoint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,11 +70,11 @@ def test_dequant_on_the_device_is_bitwise_weightmaps(
     gen = torch.Generator().manual_seed(shape[0] + shape[1])
     w = (torch.randn(*shape, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
     s = torch.rand(math.ceil(shape[0] / 128), math.ceil(shape[1] / 128), generator=gen) * 1e-2
-    root = _save(tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": s + 1e-4})
+    root = save_checkpoint(tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": s + 1e-4})
     weightmap.remap(root, tmp_path / "out", mapping=DEQUANT, progress=False)
     got = load_file(tmp_path / "out" / "model.safetensors")["l.weight"]
     ref = weight_dequant_on(w, s + 1e-4)
-    differ = int((_bits(got).view(torch.int16) != _bits(ref).view(torch.int16)).sum())
+    differ = int((as_bytes(got).view(torch.int16) != as_bytes(ref).view(torch.int16)).sum())
     _report(request.node, {"case": f"dequant {shape}", "device": DEVICE, "elements_differ": differ})
     assert differ == 0
 
@@ -83,11 +85,11 @@ def test_quantize_on_the_device_is_bitwise_weightmaps(
 ) -> None:
     gen = torch.Generator().manual_seed(shape[0] * 3 + shape[1])
     x = (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16)
-    root = _save(tmp_path / "src", {"l.weight": x})
+    root = save_checkpoint(tmp_path / "src", {"l.weight": x})
     weightmap.remap(root, tmp_path / "out", mapping=QUANT, progress=False)
     out = load_file(tmp_path / "out" / "model.safetensors")
     q, inv = quantize_on(x)
-    differ = int((_bits(out["l.weight"]) != _bits(q)).sum())
+    differ = int((as_bytes(out["l.weight"]) != as_bytes(q)).sum())
     scales_differ = int((out["l.weight_scale_inv"] != inv).sum())
     _report(
         request.node,

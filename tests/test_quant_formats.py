@@ -14,44 +14,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import weightmap
 from weightmap import ExecutionError, MappingError
-from weightmap.execute.streaming import execute
-from weightmap.inputs.checkpoint import Checkpoint
 
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+from valuetools import as_bytes, run_every_way, save_checkpoint
 
 
 def _run(
     root: Path, mapping: str | None = None, preset: str | None = None,
     chunks: tuple[int, ...] = (1 << 20, 1000, 333), params: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Convert streamed at every chunk size and in memory; all must agree; return one."""
-    how: dict[str, Any] = {"mapping": mapping} if preset is None else {"preset": preset}
-    plan = weightmap.compile(root, params=params, **how)
-    memory = {k: v.clone() for k, v in weightmap.iter_tensors(root, params=params, **how)}
-    for i, chunk in enumerate(chunks):
-        dest = root.parent / f"{root.name}-out{i}"
-        with Checkpoint.open(root) as ckpt:
-            execute(plan, ckpt, dest, chunk_bytes=chunk, workers=2, overwrite=True)
-        streamed = load_file(dest / "model.safetensors")
-        assert streamed.keys() == memory.keys()
-        for name, t in streamed.items():
-            assert t.dtype == memory[name].dtype, name
-            assert torch.equal(_bits(t), _bits(memory[name])), (name, chunk)
-    return memory
-
-
-def _save(root: Path, tensors: dict[str, torch.Tensor], config: Any = None) -> Path:
-    root.mkdir(parents=True)
-    save_file(tensors, root / "model.safetensors")
-    if config is not None:
-        (root / "config.json").write_text(json.dumps(config))
-    return root
+    return run_every_way(root, mapping=mapping, preset=preset, params=params, chunks=chunks)
 
 
 def _words(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -127,7 +102,7 @@ def _gptq_checkpoint(
                              "desc_act": desc_act, "sym": False}  # fmt: skip
     if checkpoint_format is not None:
         quant["checkpoint_format"] = checkpoint_format
-    _save(root, tensors, {"torch_dtype": "float16", "quantization_config": quant})
+    save_checkpoint(root, tensors, {"torch_dtype": "float16", "quantization_config": quant})
     return tensors
 
 
@@ -161,14 +136,14 @@ def test_gptq_dequant_preset_matches_llama_cpp(
     expected = _expect_gptq(tensors, bits)
     assert out.keys() == expected.keys()
     for name, t in expected.items():
-        assert torch.equal(_bits(out[name]), _bits(t)), name
+        assert torch.equal(as_bytes(out[name]), as_bytes(t)), name
 
 
 def test_gptq_v2_keeps_the_zero_points_and_target_rounds_once(tmp_path: Path) -> None:
     tensors = _gptq_checkpoint(tmp_path / "src", checkpoint_format="gptq_v2")
     out = _run(tmp_path / "src", preset="gptq-dequant", params={"target": "bf16"})
     for name, t in _expect_gptq(tensors, 4, "gptq_v2").items():
-        assert torch.equal(_bits(out[name]), _bits(t.to(out[name].dtype))), name
+        assert torch.equal(as_bytes(out[name]), as_bytes(t.to(out[name].dtype))), name
     assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
 
 
@@ -177,13 +152,15 @@ def test_gptq_dequant_preset_from_remap_writes_the_config(tmp_path: Path) -> Non
     weightmap.remap(tmp_path / "src", tmp_path / "out", preset="gptq-dequant", progress=False)
     out = load_file(tmp_path / "out" / "model.safetensors")
     for name, t in _expect_gptq(tensors, 4).items():
-        assert torch.equal(_bits(out[name]), _bits(t)), name
+        assert torch.equal(as_bytes(out[name]), as_bytes(t)), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "float32"
 
 
 def test_gptq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
-    root = _save(tmp_path / "fp", {"a.weight": torch.ones(2, 2)}, {"torch_dtype": "float32"})
+    root = save_checkpoint(
+        tmp_path / "fp", {"a.weight": torch.ones(2, 2)}, {"torch_dtype": "float32"}
+    )
     with pytest.raises(MappingError, match="not a GPTQ checkpoint"):
         weightmap.compile(root, preset="gptq-dequant")
     _gptq_checkpoint(tmp_path / "src")
@@ -231,7 +208,7 @@ def _awq_checkpoint(root: Path, group: int = 32) -> dict[str, torch.Tensor]:
         tensors[f"{base}.scales"] = (torch.rand(k // group, n, generator=gen) * 0.02).half()
     quant = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
              "zero_point": True}  # fmt: skip
-    _save(root, tensors, {"torch_dtype": "float16", "quantization_config": quant})
+    save_checkpoint(root, tensors, {"torch_dtype": "float16", "quantization_config": quant})
     return tensors
 
 
@@ -247,7 +224,7 @@ def test_awq_dequant_preset_matches_autoawq(tmp_path: Path) -> None:
             tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 4, 32
         ).T
         assert ref.dtype == torch.float16
-        assert torch.equal(_bits(out[f"{base}.weight"]), _bits(ref)), base
+        assert torch.equal(as_bytes(out[f"{base}.weight"]), as_bytes(ref)), base
     assert torch.equal(out["lm_head.weight"], tensors["lm_head.weight"])
 
 
@@ -286,7 +263,7 @@ def test_unpack_is_shift_and_mask_and_pack_undoes_it(
     gen = torch.Generator().manual_seed(bits)
     info = torch.iinfo(word)
     words = torch.randint(info.min, info.max, (6, 5), generator=gen, dtype=torch.int64).to(word)
-    root = _save(tmp_path / "src", {"w": words})
+    root = save_checkpoint(tmp_path / "src", {"w": words})
     width = info.bits
     name = {torch.int32: "i32", torch.uint8: "u8", torch.int64: "i64", torch.int16: "i16"}[word]
     mapping = f"""weightmap 1
@@ -305,7 +282,7 @@ pack "c2" dim {dim} bits {bits} order {order} to {name} -> "back"
 
 
 def test_pack_stops_at_a_code_too_wide_for_its_field(tmp_path: Path) -> None:
-    root = _save(
+    root = save_checkpoint(
         tmp_path / "src", {"c": torch.tensor([[1, 2, 3, 16, 0, 0, 0, 0]], dtype=torch.uint8)}
     )
     with pytest.raises(ExecutionError, match=r"codes in \[0, 16\] do not fit in 4 bits"):
@@ -340,7 +317,7 @@ def test_pack_stops_at_a_code_too_wide_for_its_field(tmp_path: Path) -> None:
     ],
 )
 def test_primitives_are_checked_at_compile_time(tmp_path: Path, rule: str, why: str) -> None:
-    root = _save(
+    root = save_checkpoint(
         tmp_path / "src",
         {"w": torch.zeros(2, 3, dtype=torch.int32), "f": torch.zeros(2, 3),
          "f2": torch.zeros(3, 2), "f3": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.uint8)},
@@ -350,7 +327,7 @@ def test_primitives_are_checked_at_compile_time(tmp_path: Path, rule: str, why: 
 
 
 def test_casts_between_integers_and_floats_check_what_would_change(tmp_path: Path) -> None:
-    root = _save(
+    root = save_checkpoint(
         tmp_path / "src",
         {"i": torch.tensor([-3, 0, 70000], dtype=torch.int32),
          "u": torch.tensor([1, 65535], dtype=torch.int32).to(torch.uint16),
@@ -374,7 +351,7 @@ def test_casts_between_integers_and_floats_check_what_would_change(tmp_path: Pat
 
 
 def test_gather_and_lookup_stop_at_an_index_out_of_range(tmp_path: Path) -> None:
-    root = _save(
+    root = save_checkpoint(
         tmp_path / "src",
         {"s": torch.randn(3, 4), "g": torch.tensor([0, 2, 3, 1]),
          "c": torch.tensor([[0, 1], [5, 2]], dtype=torch.uint8), "t": torch.randn(4)},
@@ -393,7 +370,9 @@ def test_lookup_decodes_codes_through_a_codebook(tmp_path: Path) -> None:
                         0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0])  # fmt: skip
     packed = torch.randint(0, 256, (64,), generator=gen, dtype=torch.int64).to(torch.uint8)
     absmax = torch.rand(4, generator=gen)
-    root = _save(tmp_path / "src", {"w.packed": packed, "w.table": nf4, "w.absmax": absmax})
+    root = save_checkpoint(
+        tmp_path / "src", {"w.packed": packed, "w.table": nf4, "w.absmax": absmax}
+    )
     mapping = """weightmap 1
 unpack "w.packed" dim 0 bits 4 -> "w.codes"
 lookup "w.codes", "w.table" -> "w.values"
@@ -476,7 +455,7 @@ def test_matmul_rule_streams_in_row_chunks(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(9)
     lora_b = torch.randn(200, 8, generator=gen).to(torch.bfloat16)
     lora_a = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
-    root = _save(tmp_path / "src", {"l.lora_B": lora_b, "l.lora_A": lora_a})
+    root = save_checkpoint(tmp_path / "src", {"l.lora_B": lora_b, "l.lora_A": lora_a})
     out = _run(root, 'weightmap 1\nmatmul "l.lora_B", "l.lora_A" to bf16 -> "l.delta"\n',
                chunks=(1 << 20, 5000, 100))  # fmt: skip
     acc = torch.zeros(200, 96)
@@ -515,7 +494,7 @@ def test_gptq_worked_example_matches_llama_cpp(tmp_path: Path) -> None:
     expected = _expect_gptq(tensors, 4)
     assert out.keys() == expected.keys()
     for name, t in expected.items():
-        assert torch.equal(_bits(out[name]), _bits(t)), name
+        assert torch.equal(as_bytes(out[name]), as_bytes(t)), name
 
 
 def test_awq_worked_example_matches_autoawq(tmp_path: Path) -> None:
@@ -527,7 +506,7 @@ def test_awq_worked_example_matches_autoawq(tmp_path: Path) -> None:
         ref = dequantize_gemm(
             tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 4, 32
         ).T
-        assert torch.equal(_bits(out[f"{base}.weight"]), _bits(ref)), base
+        assert torch.equal(as_bytes(out[f"{base}.weight"]), as_bytes(ref)), base
 
 
 # ---------------------------------------------------------------- rounding, clamping, reductions
@@ -540,7 +519,7 @@ def test_round_floor_ceil_clamp_are_torchs(tmp_path: Path, dtype: torch.dtype) -
     x[0, :4] = torch.tensor([0.5, 1.5, 2.5, -0.5]).to(dtype)  # ties go to even
     x[1, 0] = float("nan")
     names = ("r", "f", "c", "k")
-    root = _save(tmp_path / "src", {n: x.clone() for n in names})
+    root = save_checkpoint(tmp_path / "src", {n: x.clone() for n in names})
     mapping = """weightmap 1
 round "r"
 floor "f"
@@ -555,7 +534,7 @@ clamp "k" [-2.5, 3]
         assert got.dtype == dtype
         assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
         keep = ~torch.isnan(ref)
-        assert torch.equal(_bits(got[keep]), _bits(ref[keep])), name
+        assert torch.equal(as_bytes(got[keep]), as_bytes(ref[keep])), name
     assert torch.equal(out["r"][0, :4].float(), torch.tensor([0.0, 2.0, 2.0, -0.0]))
 
 
@@ -563,7 +542,7 @@ def test_reductions_by_axis_and_by_group(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(12, 10, generator=gen).to(torch.bfloat16)
     ids = torch.randint(-100, 100, (12, 10), generator=gen).to(torch.int16)
-    root = _save(tmp_path / "src", {"x": x, "ids": ids})
+    root = save_checkpoint(tmp_path / "src", {"x": x, "ids": ids})
     mapping = """weightmap 1
 copy "x" -> "x2", "x3"
 amax "x" dim 0 group 4 -> "amax"
@@ -593,7 +572,7 @@ def test_int4_quantization_composes_and_packs(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(13)
     w = torch.randn(64, 6, generator=gen)
     inv_scales = torch.rand(2, 6, generator=gen) * 4 + 1
-    root = _save(tmp_path / "src", {"w": w, "inv_s": inv_scales})
+    root = save_checkpoint(tmp_path / "src", {"w": w, "inv_s": inv_scales})
     mapping = """weightmap 1
 mul "w", "inv_s" block [32, 1] -> "q"
 round "q"
@@ -621,7 +600,7 @@ def test_gather_and_lookup_move_any_dtype(tmp_path: Path) -> None:
     table = torch.randint(0, 2**32, (5,), generator=gen).to(torch.uint32)
     index = torch.tensor([2, 0, 2, 1])
     codes = torch.tensor([[4, 0], [1, 1]], dtype=torch.uint8)
-    root = _save(tmp_path / "src", {"u16": u16, "fp8": fp8, "table": table, "g": index,
+    root = save_checkpoint(tmp_path / "src", {"u16": u16, "fp8": fp8, "table": table, "g": index,
                                     "codes": codes})  # fmt: skip
     mapping = """weightmap 1
 copy "g" -> "g2"
@@ -631,7 +610,7 @@ lookup "codes", "table" -> "c"
 """
     out = _run(root, mapping, chunks=(1 << 20, 5))
     assert torch.equal(out["a"].view(torch.int16), u16.view(torch.int16)[index])
-    assert torch.equal(_bits(out["b"]), _bits(fp8[:, index]))
+    assert torch.equal(as_bytes(out["b"]), as_bytes(fp8[:, index]))
     assert torch.equal(out["c"].view(torch.int32), table.view(torch.int32)[codes.long()])
 
 
@@ -697,7 +676,7 @@ def test_a_dequantized_llama_loads_into_its_model(tmp_path: Path, preset: str) -
             "zero_point": True,
         }
     )
-    src = _save(tmp_path / "quantized", tensors, config)
+    src = save_checkpoint(tmp_path / "quantized", tensors, config)
     before = weightmap.check_loads(src)
     assert not before.ok  # (the quantized layout is no Llama of plain weights)
     # target=f16: the weights in the dtype of the rest (gptq-dequant's default, f32, leaves the

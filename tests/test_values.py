@@ -12,46 +12,21 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import weightmap
 from weightmap import ExecutionError, MappingError
-from weightmap.execute.streaming import execute
-from weightmap.inputs.checkpoint import Checkpoint
+
+from valuetools import as_bytes, run_every_way, save_checkpoint
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(E4M3).max  # 448
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as integers, so NaNs and fp8 compare exactly."""
-    return t.contiguous().view(torch.uint8)
-
-
 def _run(
     root: Path, mapping: str, chunks: tuple[int, ...] = (1 << 20, 3000, 777)
 ) -> dict[str, torch.Tensor]:
-    """Convert streamed at every chunk size and in memory; all must agree; return one."""
-    plan = weightmap.compile(root, mapping=mapping)
-    memory = {k: v.clone() for k, v in weightmap.iter_tensors(root, mapping=mapping)}
-    for i, chunk in enumerate(chunks):
-        dest = root.parent / f"{root.name}-out{i}"
-        with Checkpoint.open(root) as ckpt:
-            execute(plan, ckpt, dest, chunk_bytes=chunk, workers=2, overwrite=True)
-        streamed = load_file(dest / "model.safetensors")
-        assert streamed.keys() == memory.keys()
-        for name, t in streamed.items():
-            assert t.dtype == memory[name].dtype, name
-            assert torch.equal(_bits(t), _bits(memory[name])), (name, chunk)
-    return memory
-
-
-def _save(root: Path, tensors: dict[str, torch.Tensor], config: Any = None) -> Path:
-    root.mkdir(parents=True)
-    save_file(tensors, root / "model.safetensors")
-    if config is not None:
-        (root / "config.json").write_text(json.dumps(config))
-    return root
+    return run_every_way(root, mapping=mapping, chunks=chunks)
 
 
 # ---------------------------------------------------------------- fp8 block dequantization
@@ -85,7 +60,9 @@ def test_dequant_matches_weight_dequant(tmp_path: Path, shape: tuple[int, int]) 
     gen = torch.Generator().manual_seed(sum(shape))
     w, s = _fp8_pair(gen, *shape)
     norm = torch.randn(shape[1], generator=gen).to(torch.bfloat16)
-    root = _save(tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": s, "norm.weight": norm})
+    root = save_checkpoint(
+        tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": s, "norm.weight": norm}
+    )
     out = _run(root, DEQUANT)
     assert torch.equal(out["l.weight"], weight_dequant(w, s))
     assert torch.equal(out["norm.weight"], norm)
@@ -95,7 +72,9 @@ def test_dequant_matches_weight_dequant(tmp_path: Path, shape: tuple[int, int]) 
 def test_dequant_refuses_a_scale_that_is_not_the_block_grid(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(1)
     w, _ = _fp8_pair(gen, 300, 200)
-    root = _save(tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": torch.ones(2, 2)})
+    root = save_checkpoint(
+        tmp_path / "src", {"l.weight": w, "l.weight_scale_inv": torch.ones(2, 2)}
+    )
     with pytest.raises(
         MappingError, match=r"`l.weight_scale_inv` is \[2, 2\] but must be \[3, 2\]"
     ):
@@ -106,7 +85,7 @@ def test_dequant_refuses_an_fp8_weight_without_its_scale(tmp_path: Path) -> None
     gen = torch.Generator().manual_seed(2)
     w, s = _fp8_pair(gen, 128, 128)
     tensors = {"a.weight": w, "a.weight_scale_inv": s, "b.weight": w.clone()}
-    root = _save(tmp_path / "src", tensors)
+    root = save_checkpoint(tmp_path / "src", tensors)
     with pytest.raises(MappingError, match=r"group x=\"b\" is incomplete: missing pattern 2"):
         weightmap.compile(root, mapping=DEQUANT)
 
@@ -149,10 +128,10 @@ def test_quantize_matches_fp8_quantize(tmp_path: Path, shape: tuple[int, ...]) -
     x[..., :128, :1] = 0  # an all-zero column inside the first block does not change it
     if shape == (256, 384):
         x[128:, 256:] = 0  # an all-zero block: scale 1, as the reference
-    root = _save(tmp_path / "src", {"l.weight": x, "l.bias": x.reshape(-1)[:5].clone()})
+    root = save_checkpoint(tmp_path / "src", {"l.weight": x, "l.bias": x.reshape(-1)[:5].clone()})
     out = _run(root, QUANT)
     ref = fp8_quantize(x)
-    assert torch.equal(_bits(out["l.weight"]), _bits(ref["weight"]))
+    assert torch.equal(as_bytes(out["l.weight"]), as_bytes(ref["weight"]))
     assert torch.equal(out["l.weight_scale_inv"], ref["weight_scale_inv"])
     if shape == (256, 384):
         assert out["l.weight_scale_inv"][1, 2].item() == 1.0
@@ -162,7 +141,7 @@ def test_quantize_matches_fp8_quantize(tmp_path: Path, shape: tuple[int, ...]) -
 def test_quantize_then_dequantize_is_within_one_fp8_step(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(256, 256, generator=gen).to(torch.bfloat16)
-    root = _save(tmp_path / "src", {"l.weight": x})
+    root = save_checkpoint(tmp_path / "src", {"l.weight": x})
     weightmap.remap(root, tmp_path / "q", mapping=QUANT, progress=False)
     weightmap.remap(tmp_path / "q", tmp_path / "back", mapping=DEQUANT, progress=False)
     back = load_file(tmp_path / "back" / "model.safetensors")["l.weight"].float()
@@ -191,7 +170,9 @@ def test_gemma_norm_offset_matches_llama_cpp(tmp_path: Path) -> None:
     tensor's own dtype (bf16 rounds), then 1-D tensors stored as F32."""
     gen = torch.Generator().manual_seed(4)
     w = (torch.randn(512, generator=gen) * 1e-2).to(torch.bfloat16)
-    root = _save(tmp_path / "src", {"model.norm.weight": w, "lm_head.weight": torch.ones(2, 2)})
+    root = save_checkpoint(
+        tmp_path / "src", {"model.norm.weight": w, "lm_head.weight": torch.ones(2, 2)}
+    )
     mapping = """weightmap 1
 add "**norm.weight" 1 in bf16
 cast "**norm.weight" to f32
@@ -207,7 +188,7 @@ unmatched keep
 
 
 def test_arithmetic_is_refused_on_integers_and_non_numbers(tmp_path: Path) -> None:
-    root = _save(tmp_path / "src", {"ids": torch.arange(4), "w": torch.ones(4)})
+    root = save_checkpoint(tmp_path / "src", {"ids": torch.arange(4), "w": torch.ones(4)})
     with pytest.raises(MappingError, match=r"`ids` is I64: arithmetic runs on float tensors"):
         weightmap.compile(root, mapping='weightmap 1\nmul "ids" 2\nunmatched keep\n')
     with pytest.raises(MappingError, match="must be a number"):
@@ -221,7 +202,7 @@ def test_arithmetic_is_refused_on_integers_and_non_numbers(tmp_path: Path) -> No
 
 def test_mask_marks_the_positions_once(tmp_path: Path) -> None:
     d2t = torch.tensor([0, 1, 1, 5, 3], dtype=torch.int64)
-    root = _save(tmp_path / "src", {"d2t": d2t})
+    root = save_checkpoint(tmp_path / "src", {"d2t": d2t})
     out = _run(root, 'weightmap 1\ncopy "d2t" -> "t2d"\nmask "t2d" size 12 plus index\n')
     expected = torch.zeros(12, dtype=torch.bool)
     expected[torch.arange(5) + d2t] = True
@@ -263,7 +244,7 @@ def _deepseek_like(root: Path, gen: torch.Generator) -> dict[str, torch.Tensor]:
         w, s = _fp8_pair(gen, *shape)
         tensors[f"{name}.weight"] = w
         tensors[f"{name}.weight_scale_inv"] = s
-    _save(root, tensors, DEEPSEEK_CONFIG)
+    save_checkpoint(root, tensors, DEEPSEEK_CONFIG)
     return tensors
 
 
@@ -286,7 +267,9 @@ def test_fp8_dequant_preset(tmp_path: Path) -> None:
 
 
 def test_fp8_dequant_preset_refuses_a_checkpoint_that_is_not_fp8(tmp_path: Path) -> None:
-    root = _save(tmp_path / "src", {"a.weight": torch.ones(2, 2)}, {"torch_dtype": "float32"})
+    root = save_checkpoint(
+        tmp_path / "src", {"a.weight": torch.ones(2, 2)}, {"torch_dtype": "float32"}
+    )
     with pytest.raises(MappingError, match="not an fp8 checkpoint"):
         weightmap.compile(root, preset="fp8-dequant")
 
@@ -302,7 +285,7 @@ def test_fp8_quant_preset_round_trip(tmp_path: Path) -> None:
     # the embeddings and head (skipped by name) and everything 1-D kept as they were.
     for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.experts.0.down_proj"):
         ref = fp8_quantize(bf16[f"{name}.weight"])
-        assert torch.equal(_bits(fp8[f"{name}.weight"]), _bits(ref["weight"]))
+        assert torch.equal(as_bytes(fp8[f"{name}.weight"]), as_bytes(ref["weight"]))
         assert torch.equal(fp8[f"{name}.weight_scale_inv"], ref["weight_scale_inv"])
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                  "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):  # fmt: skip
