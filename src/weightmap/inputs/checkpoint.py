@@ -31,7 +31,13 @@ from weightmap.format.text import is_utf8
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
 from weightmap.inputs.opening import read_folder_json
-from weightmap.inputs.pickles import PickleHeader, is_pickle, read_pickle, release_pages
+from weightmap.inputs.pickles import (
+    PickleHeader,
+    is_pickle,
+    prefixed_header,
+    read_pickle,
+    release_pages,
+)
 from weightmap.inputs.sidefiles import cache_blobs, resolve_path
 from weightmap.inputs.sniff import refuse_foreign, sniff
 
@@ -147,6 +153,9 @@ _SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safete
 # PyTorch checkpoints, as transformers names them; Meta's model-parallel shards.
 PICKLE_SINGLE = "pytorch_model.bin"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
+# A PEFT adapter folder's weights (read when the folder holds no model weights): the
+# `adapter` input of a LoRA merge.
+ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 _CONSOLIDATED = re.compile(r"consolidated\.(\d+)\.pth")
 # The columns of a checkpoint's table that its specs are made of (``Checkpoint.specs``).
 _INFO = itemgetter(1)
@@ -295,18 +304,47 @@ class Checkpoint:
             name for h in self.headers.values() if isinstance(h, PickleHeader) for name in h.strided
         )
         self._specs: tuple[TensorSpec, ...] | None = None
+        # The prefix each file's tensors carry in this checkpoint (``adapter:``, a mapping's
+        # other inputs: inputs/several.py); a PyTorch file read again is renamed the same way.
+        self.prefixes: Mapping[Path, str] = MappingProxyType({})
 
     # -- opening -----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, config_name: str = CONFIG_NAME) -> Checkpoint:
+    def empty(cls, root: Path, config_name: str = CONFIG_NAME) -> Checkpoint:
+        """The folder ``root`` as a checkpoint of no tensors: its config (``config_name``,
+        required unless it is config.json) and, to the executor, its side files. The main
+        input of a mapping whose tensors all come from its declared inputs (the rank files of
+        a Meta folder, read as a family)."""
+        if not root.is_dir():
+            raise CheckpointError(
+                "is not a folder: a mapping that reads its rank files from the main input "
+                "needs the folder that holds them",
+                path=root,
+                rule="layout",
+            )
+        with folder_lock(root, exclusive=False):
+            cls._check_journal(root)
+            config = _read_config(root, config_name, required=config_name != CONFIG_NAME)
+        return cls(root, {}, {}, config, None)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        config_name: str = CONFIG_NAME,
+        rank_file: bool = False,
+    ) -> Checkpoint:
         """Open and validate a checkpoint folder or file.
 
         Headers, index and config are read under the folder's shared lock (see
         ``fs/lock.py``), so they are all from before or all from after an in-place
         rename; a rename in progress is waited for. ``config_name`` is the JSON file read as
         the config (a mapping's ``config from "params.json"``): config.json is optional,
-        another file named this way must exist.
+        another file named this way must exist. ``rank_file``: ``path`` is one rank file of a
+        family (``consolidated.03.pth``) that a mapping reads with its siblings, which is
+        otherwise refused.
         """
         p = Path(path)
         if not p.exists():
@@ -323,7 +361,11 @@ class Checkpoint:
                 rule="layout",
             )
         with folder_lock(p.parent if p.is_file() else p, exclusive=False), gc_paused():
-            ckpt = cls._open_unlocked(p)
+            if rank_file and p.is_file():
+                cls._check_journal(p.parent)
+                ckpt = cls._from_files(p.parent, [p], None)
+            else:
+                ckpt = cls._open_unlocked(p)
         if config_name != CONFIG_NAME:
             ckpt._config = _read_config(ckpt.root, config_name, required=True)
         return ckpt
@@ -348,6 +390,10 @@ class Checkpoint:
             return cls._from_index(root, root / PICKLE_INDEX)
         if (root / PICKLE_SINGLE).is_file():
             return cls._from_files(root, [root / PICKLE_SINGLE], None)
+        for name in ADAPTER_NAMES:
+            _refuse_not_file(root / name, name)
+            if (root / name).is_file():
+                return cls._from_files(root, [root / name], None)
         pickles = sorted(
             q for q in root.iterdir() if q.name.endswith((".pt", ".pth")) and _is_file(q)
         )
@@ -381,9 +427,9 @@ class Checkpoint:
             raise CheckpointError(
                 f"holds {len(shards)} model-parallel shards ({shards[0]} ... {shards[-1]}): each "
                 "holds a slice of every tensor, split along a dimension that depends on the "
-                "layer, which weightmap does not merge; merge them into one checkpoint first "
-                "(transformers' convert_llama_weights_to_hf.py does), or convert a model that "
-                "ships one consolidated.00.pth",
+                "layer, so no one shard is a checkpoint; read them all as one family of inputs "
+                "(`--preset llama-meta-ranks-to-hf` joins and converts Meta's Llama ranks), or "
+                "write a mapping with `input ranks files \"consolidated.{r}.pth\"`",
                 path=path.parent,
                 rule="model-parallel",
             )
@@ -658,6 +704,10 @@ class Checkpoint:
             tensors = self._loaded.get(path)
             if tensors is None:
                 header, tensors = read_pickle(path)
+                prefix = self.prefixes.get(path)
+                if prefix:
+                    header = prefixed_header(header, prefix)
+                    tensors = {prefix + n: t for n, t in tensors.items()}
                 if header != self.headers[path]:
                     raise FormatError("file changed since it was opened", path=path, rule="changed")
                 self._loaded[path] = tensors

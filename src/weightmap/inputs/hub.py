@@ -31,7 +31,7 @@ from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.safeopen import kind, read_bounded
-from weightmap.inputs.checkpoint import PICKLE_INDEX, PICKLE_SINGLE
+from weightmap.inputs.checkpoint import ADAPTER_NAMES, PICKLE_INDEX, PICKLE_SINGLE
 from weightmap.inputs.opening import opened, read_folder_json
 from weightmap.inputs.sidefiles import (
     MAX_DEPTH,
@@ -409,10 +409,10 @@ class HubRepo:
         configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
         # Checkpoint.open's order, so that a repository holding both forms (model.safetensors
         # and a PyTorch index, say) is read from the same files as a local copy of it.
-        for name in (INDEX_NAME, SINGLE_NAME, PICKLE_INDEX, PICKLE_SINGLE):
+        for name in (INDEX_NAME, SINGLE_NAME, PICKLE_INDEX, PICKLE_SINGLE, *ADAPTER_NAMES):
             if name not in files:
                 continue
-            if name in (SINGLE_NAME, PICKLE_SINGLE):
+            if name in (SINGLE_NAME, PICKLE_SINGLE, *ADAPTER_NAMES):
                 return [name, *configs]
             index_name = name
             index_path = self.fetch([index_name]) / index_name

@@ -34,10 +34,10 @@ import struct
 import warnings
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightmap.errors import CheckpointError
 from weightmap.format.dtypes import DTYPES
@@ -55,6 +55,7 @@ __all__ = [
     "STATE_DICT_KEYS",
     "PickleHeader",
     "is_pickle",
+    "prefixed_header",
     "read_pickle",
     "release_pages",
 ]
@@ -66,6 +67,7 @@ STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 # data.pkl of a state dict is a few MB even for 100,000 tensors.
 MAX_PICKLE_BYTES = 256 * 2**20
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+H = TypeVar("H", bound=Header)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ class PickleHeader(Header):
     def data_start(self) -> int:
         """Offsets are absolute in a PyTorch checkpoint."""
         return 0
+
+
+def prefixed_header(header: H, prefix: str) -> H:
+    """``header`` with every tensor's name prefixed (``adapter:``): the same file, read as one
+    of a mapping's several inputs, whose tensors share one namespace."""
+    tensors = {prefix + n: info._replace(name=prefix + n) for n, info in header.tensors.items()}
+    if isinstance(header, PickleHeader):
+        strided = frozenset(prefix + n for n in header.strided)
+        return replace(header, tensors=tensors, strided=strided)
+    return replace(header, tensors=tensors)
 
 
 def is_pickle(path: Path) -> bool:
