@@ -437,6 +437,11 @@ def _invert_stmts(
                 out.append(A.FilesBlock(stmts=files, loc=st.loc))
             elif isinstance(st, A.ConfigFrom):
                 raise _Refuse("the output's config is config.json, not the file this one reads")
+            elif isinstance(st, A.InputDecl):
+                raise _Refuse(
+                    "a mapping of several inputs writes one checkpoint, whose inverse would "
+                    "write several (a scatter), which weightmap does not do yet"
+                )
             elif isinstance(st, A.ConfigBlock):
                 back_cfg = tuple(_invert_config_edit(x) for x in reversed(st.stmts))
                 out.append(A.ConfigBlock(stmts=back_cfg, loc=st.loc))
@@ -500,6 +505,8 @@ def _kind(st: A.Stmt) -> str:
         return "files block"
     if isinstance(st, A.ConfigFrom):
         return "config from"
+    if isinstance(st, A.InputDecl):
+        return "input"
     if isinstance(st, A.ConfigBlock):
         return "config block"
     return st.op if isinstance(st, A.Rule) else type(st).__name__.lower()

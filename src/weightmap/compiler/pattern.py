@@ -36,6 +36,9 @@ def pattern_regex(p: A.Pattern, prefix: str = "") -> tuple[str, list[tuple[str, 
     n_alt = 0
     # Tensor names are dotted; side-file names are paths, whose dots are not separators.
     sep = "/" if isinstance(p, A.FilePattern) else "."
+    if p.others:
+        # A pattern of the main input does not see the other inputs' tensors (`NAME:...`).
+        out.append(f"(?!(?:{'|'.join(map(re.escape, p.others))}):)")
     for part in p.parts:
         if isinstance(part, str):
             out.append(re.escape(part))

@@ -41,6 +41,7 @@ __all__ = [
     "IfExp",
     "Include",
     "Index",
+    "InputDecl",
     "ListExpr",
     "Lit",
     "Loc",
@@ -223,6 +224,10 @@ class Pattern:
     text: str
     parts: tuple[PatPart, ...]
     loc: Loc = field(default=NOWHERE, compare=False)
+    # The declared inputs (``input NAME``) whose tensors this pattern does not see: every one,
+    # for a pattern that does not start with ``NAME:`` (mapping.py sets it once the program's
+    # inputs are known), so that `cast "**"` casts the main input's tensors, not an adapter's.
+    others: tuple[str, ...] = ()
 
     @property
     def is_literal(self) -> bool:
@@ -478,8 +483,33 @@ class ConfigFrom:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class InputDecl:
+    """``input NAME [files "PATTERN"] [config from "FILE"]``: a checkpoint the caller binds.
+
+    Its tensors are named ``NAME:tensor`` in the working set; with ``files``, the input is a
+    family (the rank files or folders of one model) whose members' tensors are
+    ``NAME:RANK:tensor``, ``RANK`` the integer the pattern's one capture matched.
+    """
+
+    name: str
+    files: FilePattern | None = None
+    config_file: str | None = None
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
 Stmt = Union[  # noqa: UP007
-    Param, Include, Unmatched, Require, Warn, Rule, ConfigBlock, If, FilesBlock, ConfigFrom
+    Param,
+    Include,
+    Unmatched,
+    Require,
+    Warn,
+    Rule,
+    ConfigBlock,
+    If,
+    FilesBlock,
+    ConfigFrom,
+    InputDecl,
 ]
 
 

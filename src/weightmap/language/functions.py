@@ -34,6 +34,7 @@ FUNCTIONS: dict[str, tuple[int, int | None]] = {
     "ceil": (1, 1),
     "ceildiv": (2, 2),
     "abs": (1, 1),
+    "sqrt": (1, 1),
 }
 
 
@@ -111,6 +112,18 @@ def _unary(name: str, args: Sequence[Fn], loc: A.Loc) -> Fn:
                 raise EvalError(f"float() of {v}: too large for a float", loc) from None
 
         return to_float
+    if name == "sqrt":
+
+        def root(s: Scope) -> float:
+            v = _number(arg(s), name, loc)
+            if v < 0:
+                raise EvalError(f"sqrt() of a negative number, {brief(v)}", loc)
+            try:
+                return math.sqrt(v)  # (Python's, as peft's math.sqrt(r))
+            except OverflowError:
+                raise EvalError(f"sqrt() of {brief(v)}: too large for a float", loc) from None
+
+        return root
     return lambda s: abs(_number(arg(s), name, loc))
 
 
@@ -154,6 +167,6 @@ def call(name: str, args: Sequence[Fn], loc: A.Loc) -> Fn:
         return _round(args, loc)
     if name == "ceildiv":
         return _ceildiv(args, loc)
-    if name in ("int", "float", "floor", "ceil", "abs"):
+    if name in ("int", "float", "floor", "ceil", "abs", "sqrt"):
         return _unary(name, args, loc)
     raise EvalError(f"unknown function `{name}`; the functions are {', '.join(FUNCTIONS)}", loc)

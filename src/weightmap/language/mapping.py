@@ -11,7 +11,7 @@ import errno
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,12 @@ class Mapping:
             if isinstance(st, A.ConfigFrom):
                 return st.file
         return CONFIG_NAME
+
+    @property
+    def inputs(self) -> tuple[A.InputDecl, ...]:
+        """The inputs the mapping declares besides the main one (``input NAME ...``), which
+        the caller binds (``remap(..., inputs={"adapter": path})``, ``--input NAME=PATH``)."""
+        return tuple(st for st in self.program.stmts if isinstance(st, A.InputDecl))
 
 
 # A mapping is a few kilobytes. Everything parsed for one mapping (its own text and every
@@ -263,14 +269,7 @@ def _check_config_from(stmts: tuple[A.Stmt, ...]) -> None:
         f"{st.loc}: a second `config from` (the first is at {found[0].loc})" for st in found[1:]
     ]
     for st in found:
-        parts = st.file.split("/")
-        if (
-            not st.file
-            or st.file.startswith("/")
-            or any(p in ("", ".", "..") for p in parts)
-            or any(ord(ch) < 32 for ch in st.file)
-            or "\\" in st.file
-        ):
+        if _relative_file_problem(st.file):
             problems.append(
                 f"{st.loc}: `config from {st.file[:80]!r}`: name a JSON file inside the input "
                 'folder by its relative path, e.g. `config from "params.json"`'
@@ -279,13 +278,86 @@ def _check_config_from(stmts: tuple[A.Stmt, ...]) -> None:
         raise MappingError("\n".join(problems))
 
 
+def _relative_file_problem(file: str) -> bool:
+    """Whether ``file`` is no relative path inside a folder (absolute, ``..``, control
+    characters, backslashes)."""
+    parts = file.split("/")
+    return (
+        not file
+        or file.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+        or any(ord(ch) < 32 for ch in file)
+        or "\\" in file
+    )
+
+
+def _check_inputs(stmts: tuple[A.Stmt, ...], params: dict[str, Any]) -> tuple[A.InputDecl, ...]:
+    """The ``input`` declarations, each checked: a new name, a family pattern of one file
+    name with one capture, a config file inside the input's folder."""
+    found: dict[str, A.InputDecl] = {}
+    problems = []
+    for st in stmts:
+        if not isinstance(st, A.InputDecl):
+            continue
+        if st.name in found:
+            problems.append(
+                f"{st.loc}: input {st.name!r} is declared twice (first at {found[st.name].loc})"
+            )
+            continue
+        if st.name in params or st.name in TENSOR_NAMES or resolve_dtype(st.name):
+            what = "a param's" if st.name in params else "a built-in"
+            problems.append(f"{st.loc}: input {st.name!r} takes {what} name; rename it")
+            continue
+        found[st.name] = st
+        if st.files is not None:
+            caps = st.files.captures
+            if "/" in st.files.text or len(caps) != 1 or caps[0].kind not in ("seg", "int"):
+                problems.append(
+                    f"{st.loc}: `input {st.name} files {st.files.text!r}`: name the member "
+                    "files or folders of one folder with one capture for the rank, e.g. "
+                    'files "consolidated.{rank}.pth"'
+                )
+        if st.config_file is not None and _relative_file_problem(st.config_file):
+            problems.append(
+                f"{st.loc}: `input {st.name} config from {st.config_file[:80]!r}`: name a JSON "
+                "file inside the input's folder by its relative path"
+            )
+    if problems:
+        raise MappingError("\n".join(problems))
+    return tuple(found.values())
+
+
+def _scope_patterns(node: Any, names: tuple[str, ...]) -> Any:
+    """``node`` with every tensor pattern told which inputs it does not see: a pattern that
+    starts with ``NAME:`` sees input ``NAME``'s tensors; any other sees the main input's (and
+    the rules' outputs) only."""
+    if type(node) is A.Pattern:
+        head = node.parts[0] if node.parts else ""
+        mine = isinstance(head, str) and head.split(":", 1)[0] in names and ":" in head
+        return node if mine else replace(node, others=names)
+    if isinstance(node, tuple):
+        return tuple(_scope_patterns(x, names) for x in node)
+    if is_dataclass(node) and not isinstance(node, (type, A.Loc, A.FilePattern)):
+        changes = {}
+        for f in fields(node):
+            value = getattr(node, f.name)
+            new = _scope_patterns(value, names)
+            if new is not value:
+                changes[f.name] = new
+        return replace(node, **changes) if changes else node
+    return node
+
+
 def from_program(name: str, text: str, program: A.Program, base: Path | None = None) -> Mapping:
     """A mapping from a parsed program: includes spliced in, params resolved."""
     spent = _Spent(bytes=_check_size(text, name))
     stmts = _resolve_includes(program, base, (name,), spent)
-    program = A.Program(version=program.version, stmts=stmts, file=program.file)
     _check_config_from(stmts)
     values, locs = _params(stmts)
+    inputs = _check_inputs(stmts, values)
+    if inputs:
+        stmts = _scope_patterns(stmts, tuple(i.name for i in inputs))
+    program = A.Program(version=program.version, stmts=stmts, file=program.file)
     return Mapping(name=name, text=text, program=program, param_defaults=values, param_locs=locs)
 
 

@@ -315,6 +315,14 @@ class _Builder:
             return A.ConfigBlock(stmts=tuple(self.cfg(x) for x in c), loc=loc)
         if kind == "config_from":
             return A.ConfigFrom(file=self.string(c[0]), loc=loc)
+        if kind == "input_decl":
+            files = config_file = None
+            for x in c[1:]:
+                if x.data == "input_files":
+                    files = self.file_pattern(x.children[0])
+                else:
+                    config_file = self.string(x.children[0])
+            return A.InputDecl(name=str(c[0]), files=files, config_file=config_file, loc=loc)
         if kind == "files_block":
             return A.FilesBlock(stmts=tuple(self.file_rule(x) for x in c), loc=loc)
         return self.rule(t)

@@ -236,6 +236,10 @@ def _stmt(st: A.Stmt, ind: str) -> list[str]:
         return [ind + _rule(st)]
     if isinstance(st, A.ConfigFrom):
         return [f"{ind}config from {_s(st.file)}"]
+    if isinstance(st, A.InputDecl):
+        files = f" files {_s(st.files.text)}" if st.files is not None else ""
+        config = f" config from {_s(st.config_file)}" if st.config_file is not None else ""
+        return [f"{ind}input {st.name}{files}{config}"]
     if isinstance(st, A.FilesBlock):
         return [f"{ind}files {{", *(f"{ind}    {_file(x)}" for x in st.stmts), f"{ind}}}"]
     if isinstance(st, A.ConfigBlock):
