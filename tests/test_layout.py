@@ -25,6 +25,7 @@ LAYERS = [
     "language",
     "plan",
     "compiler",
+    "binding",
     "execute",
     "modes",
     "loads",

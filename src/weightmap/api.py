@@ -6,10 +6,12 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weightmap.binding import bind_inputs, check_bindings, main_is_family_folder
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, WeightmapError
 from weightmap.execute.memory import check_torch_shapes, iter_outputs
@@ -131,6 +133,7 @@ def compile(
     params: Mapping[str, Any] | None = None,
     side_files: bool = True,
     allow_code: bool = False,
+    inputs: Mapping[str, PathLike] | None = None,
 ) -> Plan:
     """Compile a mapping against a checkpoint's headers and config into a :class:`Plan`.
 
@@ -143,11 +146,50 @@ def compile(
     """
     rules = resolve_mapping(preset, mapping)
     if isinstance(checkpoint, Checkpoint):
+        if rules.inputs:
+            raise ValueError(
+                f"{rules.name} reads several inputs: give the main checkpoint's path, not an "
+                "opened Checkpoint, with inputs="
+            )
         src = ResolvedInput(checkpoint.root, True)
         return _compile_for(src, checkpoint, rules, _params(params), side_files, allow_code)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=False)
-    with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
-        return _compile_for(src, ckpt, rules, _params(params), side_files, allow_code)
+    with _opened(src, rules, inputs, progress=False) as (ckpt, seen):
+        return _compile_for(src, ckpt, rules, _params(params), side_files, allow_code, seen=seen)
+
+
+@contextmanager
+def _opened(
+    src: ResolvedInput,
+    rules: RuleMapping,
+    inputs: Mapping[str, PathLike] | None,
+    *,
+    progress: bool,
+    cancel: CancelToken | None = None,
+) -> Iterator[tuple[Checkpoint, dict[str, Any]]]:
+    """The main input opened, joined with the inputs the mapping declares (bound by
+    ``inputs``; binding.py), and what expressions see under each declared input's name."""
+    if inputs is not None and not isinstance(inputs, Mapping):
+        raise MappingError(
+            f"inputs must be a dict of input name to path, not {type(inputs).__name__}"
+        )
+    bindings = check_bindings(rules.inputs, inputs, rules.name)
+    if not rules.inputs:
+        with Checkpoint.open(src.path, config_name=rules.config_file) as ckpt:
+            yield ckpt, {}
+        return
+    if main_is_family_folder(rules.inputs, bindings):
+        main = Checkpoint.empty(Path(src.path), rules.config_file)
+    else:
+        main = Checkpoint.open(src.path, config_name=rules.config_file)
+    try:
+        bound = bind_inputs(main, rules.inputs, bindings, progress=progress, cancel=cancel)
+        try:
+            yield bound.ckpt, bound.values
+        finally:
+            bound.close()
+    finally:
+        main.close()
 
 
 def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
@@ -179,6 +221,7 @@ def remap(
     executor: Executor = "local",
     ray_address: str | None = None,
     cancel: CancelSource | CancelToken | None = None,
+    inputs: Mapping[str, PathLike] | None = None,
 ) -> Result:
     """Convert ``checkpoint`` with a preset or a mapping, writing the result into ``out``.
 
@@ -217,6 +260,10 @@ def remap(
       (default: the cluster's CPUs), ``chunk_bytes`` the memory budget of each task. Input and
       output must be on a filesystem every node mounts at the same path. The bytes written are
       the local executor's.
+    - ``inputs``: the checkpoints a mapping of several inputs reads besides ``checkpoint``
+      (its ``input NAME`` statements), by name: ``{"adapter": "lora/"}``, each a folder, a
+      file or a Hub id; a family of rank files (``input ranks files "..."``) is a folder,
+      ``checkpoint``'s own unless given. See "Several inputs" in docs/language.md.
     - ``cancel``: a ``threading.Event`` or a callable taking no arguments, checked between
       chunks (and between the steps before them); once it is set or returns True, the run
       stops within a chunk and raises :class:`~weightmap.errors.Cancelled`: queued work is
@@ -254,16 +301,21 @@ def remap(
     # conversion that only moves bytes makes no objects per byte, however long its copies
     # take; where it computes, verifies, downloads or runs on a cluster, the pause ends with
     # the plan, as that work may take minutes and make objects of other libraries.
+    if inplace and rules.inputs:
+        raise ValueError(
+            f"{rules.name} reads several inputs, which an in-place rename cannot: write a new "
+            "folder (out=)"
+        )
     with (
         gc_paused() as pause,
-        Checkpoint.open(src.path, config_name=rules.config_file) as ckpt,
+        _opened(src, rules, inputs, progress=bars, cancel=token) as (ckpt, seen),
     ):
         if inplace:
             check_inplace_source(ckpt)
         if dest is not None and src.folder and src.repo is None:
             check_not_in_input(dest, ckpt.root)
         plan = _compile_for(
-            src, ckpt, rules, _params(params), side_files, allow_code, dest, inplace
+            src, ckpt, rules, _params(params), side_files, allow_code, dest, inplace, seen
         )
         if src.repo is not None or verify or executor != "local" or not plan.is_rename_only:
             pause.release()
@@ -303,6 +355,7 @@ def _compile_for(
     allow_code: bool,
     dest: Path | None = None,
     inplace: bool = False,
+    seen: dict[str, Any] | None = None,
 ) -> Plan:
     """The plan of ``rules`` over ``ckpt``, with the side files the chosen mode carries
     (``dest``: an output folder inside the input one, left out of them)."""
@@ -313,7 +366,13 @@ def _compile_for(
         # entries a copy would skip, since nothing is copied.
         carried = FolderFiles(carried.files)
     plan = compile_plan(
-        rules, ckpt.specs(), ckpt.config, params=params, files=carried, allow_code=allow_code
+        rules,
+        ckpt.specs(),
+        ckpt.config,
+        params=params,
+        files=carried,
+        allow_code=allow_code,
+        inputs_seen=seen,
     )
     if inplace:
         # The folder's other files stay where they are: a files block that would change them
@@ -378,6 +437,7 @@ def iter_tensors(
     params: Mapping[str, Any] | None = None,
     allow_code: bool = False,
     cancel: CancelSource | CancelToken | None = None,
+    inputs: Mapping[str, PathLike] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` of the remapped checkpoint lazily, one output at a time.
 
@@ -396,19 +456,32 @@ def iter_tensors(
     it: the plan is the one ``remap`` would make, though no side file is written. ``cancel``
     (a ``threading.Event`` or a callable, as for :func:`remap`) is checked before each tensor:
     once it is set, the next step raises :class:`~weightmap.errors.Cancelled` and the input is
-    closed.
+    closed. ``inputs`` as :func:`remap` takes it.
     """
     token = as_token(cancel)
     rules = resolve_mapping(preset, mapping)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
-    ckpt = Checkpoint.open(src.path, config_name=rules.config_file)
+    opened = _opened(src, rules, inputs, progress=sys.stderr.isatty(), cancel=token)
+    ckpt, seen = opened.__enter__()
     try:
         # With the side files `remap` lists, though none is copied: `exists file` must see
         # them, or a mapping that tests for one would yield other tensors than it writes.
-        plan = _compile_for(src, ckpt, rules, _params(params), True, allow_code)
+        plan = _compile_for(src, ckpt, rules, _params(params), True, allow_code, seen=seen)
         check_torch_shapes(plan)
     except WeightmapError:
-        ckpt.close()
+        opened.__exit__(None, None, None)
         raise
     make_room(len(ckpt.files))  # (a view of each input shard stays mapped while yielding)
-    return iter_outputs(plan, ckpt, token)
+    if not rules.inputs:
+        return iter_outputs(plan, ckpt, token)
+    return _closing(iter_outputs(plan, ckpt, token), opened)
+
+
+def _closing(
+    tensors: Iterator[tuple[str, torch.Tensor]], opened: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors``, then the declared inputs closed (``_opened``), however the loop ends."""
+    try:
+        yield from tensors
+    finally:
+        opened.__exit__(None, None, None)

@@ -69,19 +69,27 @@ def _err(message: str) -> None:
     print(printable(message), file=sys.stderr)
 
 
-def _params(items: Sequence[str] | None) -> dict[str, Any]:
+def _params(items: Sequence[str] | None, rules: Mapping | None = None) -> dict[str, Any]:
     """``--set KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON, else a string.
 
     What Python's json would read but JSON does not have (``NaN``, ``Infinity``, ``1e400``,
-    nesting thousands deep) is refused: it could only end up as non-JSON in config.json.
+    nesting thousands deep) is refused: it could only end up as non-JSON in config.json. A
+    number given to a param whose default is a string is that string (``--set version=3``
+    of a ``param version = ""``): what was typed is what the param takes.
     """
     out: dict[str, Any] = {}
+    strings = {
+        k for k, v in (rules.param_defaults if rules is not None else {}).items() if type(v) is str
+    }
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--set takes KEY=VALUE, got {item[:80]!r}")
         try:
-            out[key.strip()] = strict_json(value)
+            parsed = strict_json(value)
+            if key.strip() in strings and type(parsed) in (int, float):
+                parsed = value
+            out[key.strip()] = parsed
         except JsonRefused as why:
             shown = value if len(value) <= 40 else value[:40] + "..."
             raise UsageError(
@@ -208,7 +216,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         args.src,
         args.dst,
         mapping=rules,
-        params=_params(args.set),
+        params=_params(args.set, rules),
         max_shard_size=args.max_shard_size,
         dry_run=args.dry_run,
         inplace=args.inplace,
@@ -223,6 +231,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         executor="ray" if args.ray or args.ray_address else "local",
         ray_address=args.ray_address,
         cancel=args.cancel,
+        inputs=_inputs(args.input),
     )
     if not quiet:
         print(result)
@@ -234,12 +243,14 @@ _PLAN_ROWS = 50
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    rules = _mapping_of(args)
     plan = compile_plan_for(
         args.src,
-        mapping=_mapping_of(args),
-        params=_params(args.set),
+        mapping=rules,
+        params=_params(args.set, rules),
         side_files=not args.no_side_files,
         allow_code=args.allow_code_files,
+        inputs=_inputs(args.input),
     )
     if args.json:
         doc = plan.to_dict()
@@ -480,7 +491,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.mapping}: parses; give a checkpoint to check it against one")
         return 0
     plan = compile_plan_for(
-        args.checkpoint, mapping=rules, params=_params(args.set), allow_code=args.allow_code_files
+        args.checkpoint,
+        mapping=rules,
+        params=_params(args.set, rules),
+        allow_code=args.allow_code_files,
+        inputs=_inputs(args.input),
     )
     _warn(plan)
     print(f"{args.mapping}: ok against {args.checkpoint}: {_summary(plan)}")
@@ -558,6 +573,32 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
     )
+    _input_arg(p)
+
+
+def _input_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=PATH",
+        help="bind an input the mapping declares (`input NAME`): a folder, a file or a Hub "
+        "id, e.g. --input adapter=./lora (repeat for more)",
+    )
+
+
+def _inputs(items: Sequence[str] | None) -> dict[str, str] | None:
+    """``--input NAME=PATH`` pairs, each name once."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path:
+            raise UsageError(f"--input takes NAME=PATH, got {item[:80]!r}")
+        if name.strip() in out:
+            raise UsageError(f"--input {name.strip()} is given twice")
+        out[name.strip()] = path
+    return out
 
 
 _SRC_HELP = (
@@ -738,6 +779,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
     )
+    _input_arg(p)
     _allow_code_arg(p)
     p.set_defaults(func=_cmd_check)
 

@@ -206,12 +206,15 @@ def compile_plan(
     params: dict[str, Any] | None = None,
     files: FolderFiles | None = None,
     allow_code: bool = False,
+    inputs_seen: dict[str, Any] | None = None,
 ) -> Plan:
     """Compile ``mapping`` against input headers and config.json into a Plan.
 
     ``files`` are the side files of the input folder (``inputs/sidefiles.py``); None when they
     are not carried. ``allow_code``: the mapping's files blocks may add or rename into code
-    files (``*.py``; see ``files.py``). Never reads tensor data. Raises :class:`CompileError`
+    files (``*.py``; see ``files.py``). ``inputs_seen``: what expressions see under each
+    declared input's name (``{"adapter": {"config": {...}}}``, binding.py), whose tensors
+    are among ``inputs`` as ``adapter:NAME``. Never reads tensor data. Raises :class:`CompileError`
     (a MappingError) listing every problem with its file:line:col.
 
     >>> from weightmap.language.mapping import load_mapping
@@ -220,7 +223,7 @@ def compile_plan(
     'b.w'
     """
     with gc_paused():  # (fs/gcpause.py: a plan of many tensors makes no cycles)
-        return _compile(mapping, inputs, config, params, files, allow_code)
+        return _compile(mapping, inputs, config, params, files, allow_code, inputs_seen)
 
 
 def _check_arguments(params: Any, config: Any) -> None:
@@ -241,16 +244,27 @@ def _compile(
     params: dict[str, Any] | None,
     files: FolderFiles | None = None,
     allow_code: bool = False,
+    inputs_seen: dict[str, Any] | None = None,
 ) -> Plan:
     _check_arguments(params, config)
     c = _Compiler(mapping, inputs, config, files)
     c.check_unique_inputs()
     values = c.params(params)
+    declared = [d.name for d in mapping.inputs]
+    missing = [n for n in declared if n not in (inputs_seen or {})]
+    if missing:
+        raise MappingError(
+            f"{mapping.name} reads input {missing[0]!r}, which is not bound: give it, "
+            f'remap(..., inputs={{"{missing[0]}": PATH}}) or --input {missing[0]}=PATH'
+        )
     # One work budget (values.WORK_LIMIT) for everything a mapping evaluates once: `if`
     # conditions, checks, config and files blocks. A budget per statement would let a short
     # mapping multiply the work by its number of statements (`files { add ... }` repeated).
     # Each tensor's expressions get their own budget, as their number follows the input's.
-    scope = Scope(values, config, {}, None, c.exists)
+    # The declared inputs are names in expressions (`adapter.config.r`), not params: the
+    # plan's params stay what the caller may set.
+    seen = {**values, **{n: (inputs_seen or {})[n] for n in declared}}
+    scope = Scope(seen, config, {}, None, c.exists)
     flat = _Flat()
     c.flatten(mapping.program.stmts, scope, flat)
     c.checks(flat.checks, scope)
@@ -280,6 +294,8 @@ def _compile(
                 "give the checkpoint's folder to write it"
             )
     check_names(outputs, c.report)
+    if declared:
+        _check_no_input_names(outputs, declared, c.report)
     c.warnings += stale_dtype_fields(outputs, config, out_config)
     if c.problems:
         raise CompileError(c.problems.grouped(), mapping.name)
@@ -293,6 +309,26 @@ def _compile(
         config=out_config,
         input_config=config,
         files=side,
+    )
+
+
+def _check_no_input_names(
+    outputs: list[OutputTensor], declared: list[str], report: Callable[[A.Loc, str], None]
+) -> None:
+    """Report the outputs still named as one of the declared inputs' tensors (``adapter:x``):
+    only the main namespace is written, so each must be taken by a rule (merged, renamed,
+    dropped) rather than written under a name no loader expects."""
+    rx = re.compile(f"(?:{'|'.join(map(re.escape, declared))}):")
+    left = [o for o in outputs if rx.match(o.name)]
+    if not left:
+        return
+    first = left[0]
+    more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+    report(
+        first.origin,
+        f"output {first.name[:80]!r}{more} is still input {first.name.split(':', 1)[0]!r}'s "
+        "tensor: a mapping writes the main namespace only; take it with a rule (merge, "
+        'rename "NAME:{x*}" -> "{x}", drop) or `unmatched drop`',
     )
 
 

@@ -179,16 +179,18 @@ def build_group(
     if sum(map(len, groups.values())) != len(matches):
         _refuse_shared_slots(members, matches, groups, report)
     tmpl = compile_template(rule.outputs[0])
+    ranks = _family_size(rule, members, scope)
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))
         where = _group_label(caps)
         try:
             if members.kind == "int":
-                if max(by_member) >= len(by_member):
+                count = len(by_member) if ranks is None else ranks
+                if max(by_member) >= count:
                     # Counted, not listed: `e.0` beside `e.99999999999999999999` is one gap.
                     gaps = _gaps(members, by_member)
                     raise RuleProblem(f"{where} is incomplete: missing {gaps}")
-                expected = list(range(len(by_member)))
+                expected = list(range(count))
             elif members.kind == "words":
                 expected = list(range(len(members.words)))
             else:
@@ -200,6 +202,25 @@ def build_group(
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
             report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
+
+
+def _family_size(rule: A.Rule, members: Members, scope: Scope) -> int | None:
+    """The number of ranks when the members are a family's ranks (``"ranks:{r:int}:..."``,
+    binding.py), which every group must have all of: a group that holds the ranks
+    0..k-1 of n is a tensor some rank lacks, not a smaller merge."""
+    if members.kind != "int" or len(rule.patterns) != 1:
+        return None
+    parts = rule.patterns[0].parts
+    if len(parts) < 3 or not isinstance(parts[0], str) or not parts[0].endswith(":"):
+        return None
+    cap, after = parts[1], parts[2]
+    if not isinstance(cap, A.Capture) or cap.name != members.var:
+        return None
+    if not isinstance(after, str) or not after.startswith(":"):
+        return None
+    family = scope.params.get(parts[0][:-1])
+    count = family.get("count") if isinstance(family, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _group_label(caps: dict[str, Any]) -> str:

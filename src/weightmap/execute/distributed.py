@@ -149,6 +149,7 @@ def execute_tasks(
                 chunk_bytes=chunk_bytes,
                 checksum=checksum,
                 task_cost=task_cost,
+                prefixes=ckpt.prefixes,
             )
             collect(tasks, run(tasks, progress), writer, plan, stats)
             # As the local executor: only an input unchanged from start to end is committed.

@@ -81,6 +81,9 @@ class InputFile:
     mtime_ns: int
     # A PyTorch checkpoint: the task reads its tensors through torch, as the driver does.
     pickle: bool = False
+    # The prefix its tensors carry in the driver's namespace (one of a mapping's several
+    # inputs: ``adapter:``), given to a PyTorch file's names as the task reads them.
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -256,11 +259,13 @@ def partition(
     chunk_bytes: int,
     checksum: bool,
     task_cost: int | None = None,
+    prefixes: Mapping[Path, str] | None = None,
 ) -> list[TaskSpec]:
     """The tasks that fill the open ``writer``'s shards, most costly first.
 
     ``slots`` is how many tasks run at once; ``task_cost`` (in bytes copied) overrides the
-    share of work a task gets (at least 64 MiB, else the total over ``4 * slots``).
+    share of work a task gets (at least 64 MiB, else the total over ``4 * slots``);
+    ``prefixes``: each input file's name prefix (``Checkpoint.prefixes``).
     """
     assert writer.tmp is not None, "the writer must be open"
     files = list(headers)
@@ -299,7 +304,12 @@ def partition(
     # in the driver's, so a path relative to the driver's folder names another file there.
     inputs = tuple(
         InputFile(
-            str(p.absolute()), h.header_size, h.file_size, h.mtime_ns, isinstance(h, PickleHeader)
+            str(p.absolute()),
+            h.header_size,
+            h.file_size,
+            h.mtime_ns,
+            isinstance(h, PickleHeader),
+            (prefixes or {}).get(p, ""),
         )
         for p, h in headers.items()
     )

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 from weightmap.errors import ExecutionError
 from weightmap.execute.compute import Computer
@@ -26,7 +27,7 @@ from weightmap.format.transfer import pwrite_all, start_writeback
 from weightmap.format.writer import transfer_piece
 from weightmap.fs.atomic import host_name
 from weightmap.inputs.checkpoint import Checkpoint
-from weightmap.inputs.pickles import read_pickle
+from weightmap.inputs.pickles import prefixed_header, read_pickle
 
 __all__ = ["run_task"]
 
@@ -104,6 +105,8 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
             # (its header's own stat is set to the driver's, so that a file that differs
             # here fails the check below with the driver's message).
             node_header, _ = read_pickle(path)
+            if f.prefix:
+                node_header = prefixed_header(node_header, f.prefix)
             headers[path] = replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns)
         else:
             headers[path] = Header(
@@ -111,6 +114,9 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
             )
         tensors.update((name, (path, info)) for name, info in by_file[number].items())
     ckpt = Checkpoint(path.parent if headers else Path(spec.folder), headers, tensors, None, None)
+    ckpt.prefixes = MappingProxyType(
+        {Path(f.path): f.prefix for f in spec.inputs if f.prefix and Path(f.path) in headers}
+    )
     # The same check and message as the driver's: a file rewritten since the plan was made,
     # or a node that sees another version of it.
     check_unchanged(ckpt)

@@ -1,0 +1,266 @@
+"""Several inputs: the checkpoints a mapping declares (``input NAME``), bound and joined.
+
+A mapping of several inputs reads one namespace of tensors: the main input's under their own
+names, input ``adapter``'s as ``adapter:NAME``, and a family's (``input ranks files
+"consolidated.{rank}.pth"``) as ``ranks:RANK:NAME``. The join is one :class:`Checkpoint`
+whose headers carry the prefixed names, so the compiler, both executors and the Ray tasks
+read it as they read any checkpoint of several files: nothing downstream knows that the files
+came from several folders.
+
+Why a namespace and not a rule keyword per input: every rule (a merge over ranks, a product of
+an adapter's two matrices, a sum of two models' tensors) already pairs tensors by their names'
+captures; with the input in the name, a rank is a capture like an expert number, and every
+rule, check and plan line works across inputs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from weightmap.compiler.pattern import compile_pattern
+from weightmap.errors import CheckpointError, MappingError
+from weightmap.format.layout import CONFIG_NAME
+from weightmap.fs.cancel import CancelToken
+from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.opening import read_folder_json
+from weightmap.inputs.pickles import prefixed_header
+from weightmap.inputs.resolve import ResolvedInput
+from weightmap.language import ast as A
+
+__all__ = ["Bound", "bind_inputs", "check_bindings", "main_is_family_folder"]
+
+PathLike = str | os.PathLike[str]
+
+# A family of more ranks than this is a mistake (a folder of unrelated files matched).
+MAX_RANKS = 4096
+
+
+@dataclass
+class Bound:
+    """The main input joined with the mapping's declared inputs.
+
+    ``ckpt`` holds every tensor under its name in the namespace; ``values`` are what the
+    mapping's expressions see under each input's name (``adapter.config.r``,
+    ``ranks.count``); ``parts`` are the opened checkpoints, closed with :meth:`close`.
+    """
+
+    ckpt: Checkpoint
+    values: dict[str, Any]
+    parts: list[Checkpoint] = field(default_factory=list)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+        self.ckpt.close()
+
+
+def check_bindings(
+    decls: tuple[A.InputDecl, ...], given: Mapping[str, PathLike] | None, mapping: str
+) -> dict[str, PathLike]:
+    """The caller's bindings, checked against the declarations: every plain input bound
+    (a family defaults to the main input's folder), no name the mapping does not declare."""
+    bindings = dict(given or {})
+    names = {d.name for d in decls}
+    unknown = sorted(set(bindings) - names)
+    if unknown:
+        declared = ", ".join(sorted(names)) or "none"
+        raise MappingError(
+            f"{mapping} declares no input {unknown[0]!r} (it declares: {declared}); "
+            "bind only the inputs its `input` statements name"
+        )
+    missing = [d for d in decls if d.files is None and d.name not in bindings]
+    if missing:
+        d = missing[0]
+        raise MappingError(
+            f"{d.loc}: {mapping} reads input {d.name!r}: bind it, "
+            f'remap(..., inputs={{"{d.name}": PATH}}) or --input {d.name}=PATH '
+            "(a folder, a file or a Hub id)"
+        )
+    return bindings
+
+
+def main_is_family_folder(decls: tuple[A.InputDecl, ...], bindings: Mapping[str, Any]) -> bool:
+    """Whether a family reads its members from the main input's folder (no binding given):
+    the main input then holds no tensors of its own, only its config and side files."""
+    return any(d.files is not None and d.name not in bindings for d in decls)
+
+
+def _config(root: Path, decl: A.InputDecl, default: dict[str, Any] | None) -> Any:
+    if decl.config_file is None:
+        return default
+    path = root / decl.config_file
+    if not path.is_file():
+        raise CheckpointError(
+            f"input {decl.name!r} has no {decl.config_file}, which the mapping reads as its "
+            f"config ({decl.loc})",
+            path=root,
+            rule="missing-config",
+        )
+    return read_folder_json(root, path, decl.config_file)
+
+
+def _members(folder: Path, decl: A.InputDecl) -> list[tuple[int, Path]]:
+    """A family's members in ``folder``: the entries its pattern matches, by rank."""
+    assert decl.files is not None
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"input {decl.name!r} is a family of files ({decl.files.text}): bind it to the "
+            "folder that holds them",
+            path=folder,
+            rule="layout",
+        )
+    rx = compile_pattern(decl.files)
+    (cap,) = decl.files.captures
+    ranks: dict[int, Path] = {}
+    for entry in sorted(os.listdir(folder)):
+        m = rx.fullmatch(entry)
+        if m is None:
+            continue
+        text = m.group(cap.name)
+        if not text.isascii() or not text.isdigit():
+            raise CheckpointError(
+                f"{entry} matches input {decl.name!r}'s {decl.files.text!r}, but its rank "
+                f"{text!r} is no number; move the file away or make the pattern stricter",
+                path=folder,
+                rule="rank",
+            )
+        rank = int(text)
+        if rank in ranks:
+            raise CheckpointError(
+                f"{ranks[rank].name} and {entry} are both rank {rank} of input {decl.name!r}",
+                path=folder,
+                rule="rank",
+            )
+        ranks[rank] = folder / entry
+    if not ranks:
+        raise CheckpointError(
+            f"no file or folder here matches input {decl.name!r}'s {decl.files.text!r}",
+            path=folder,
+            rule="missing",
+        )
+    if len(ranks) > MAX_RANKS or sorted(ranks) != list(range(len(ranks))):
+        gap = next((r for r in range(len(ranks)) if r not in ranks), max(ranks))
+        raise CheckpointError(
+            f"input {decl.name!r} has ranks {_spans(sorted(ranks))}: rank {gap} is missing "
+            f"(ranks are 0..n-1, one member each)",
+            path=folder,
+            rule="rank",
+        )
+    return sorted(ranks.items())
+
+
+def _spans(ranks: list[int]) -> str:
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("..")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('..')[0]}..{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out[:8]) + (" ..." if len(out) > 8 else "")
+
+
+def _open(path: Path, rank_file: bool) -> Checkpoint:
+    return Checkpoint.open(path, rank_file=rank_file and path.is_file())
+
+
+def bind_inputs(
+    main: Checkpoint,
+    decls: tuple[A.InputDecl, ...],
+    bindings: Mapping[str, PathLike],
+    *,
+    progress: bool = False,
+    cancel: CancelToken | None = None,
+) -> Bound:
+    """Open every declared input and join them with ``main`` into one checkpoint."""
+    opened: list[tuple[str, Checkpoint]] = []
+    values: dict[str, Any] = {}
+    parts: list[Checkpoint] = []
+    configs: list[tuple[A.InputDecl, Path, Any]] = []
+    try:
+        for decl in decls:
+            if decl.files is None:
+                src = ResolvedInput.resolve(
+                    bindings[decl.name],
+                    decl.config_file or CONFIG_NAME,
+                    progress=progress,
+                    cancel=cancel,
+                )
+                ckpt = Checkpoint.open(src.path)
+                parts.append(ckpt)
+                opened.append((f"{decl.name}:", ckpt))
+                configs.append((decl, ckpt.root, ckpt.config))
+                values[decl.name] = {}
+                continue
+            folder = Path(bindings.get(decl.name, main.root))
+            members = _members(folder, decl)
+            for rank, path in members:
+                ckpt = _open(path, rank_file=True)
+                parts.append(ckpt)
+                opened.append((f"{decl.name}:{rank}:", ckpt))
+            own = main.config if folder == main.root else _read_folder_config(folder)
+            configs.append((decl, folder, own))
+            values[decl.name] = {"count": len(members)}
+        # Joined first: a file bound twice is said as such, not as the config it lacks.
+        joined = _join(main, opened, tuple(d.name for d in decls))
+        for decl, root, own in configs:
+            values[decl.name]["config"] = _config(root, decl, own)
+        return Bound(joined, values, parts)
+    except BaseException:
+        for part in parts:
+            part.close()
+        raise
+
+
+def _read_folder_config(folder: Path) -> dict[str, Any] | None:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        return None
+    value = read_folder_json(folder, path, CONFIG_NAME)
+    return value if isinstance(value, dict) else None
+
+
+def _join(
+    main: Checkpoint, parts: list[tuple[str, Checkpoint]], names: tuple[str, ...]
+) -> Checkpoint:
+    """One checkpoint of ``main``'s tensors and every part's, each part's names prefixed."""
+    claimed = re.compile(f"(?:{'|'.join(map(re.escape, names))}):")
+    clash = next((n for n in main if claimed.match(n)), None)
+    if clash is not None:
+        raise CheckpointError(
+            f"the main input holds a tensor named {clash!r}, which reads as one of input "
+            f"{clash.split(':', 1)[0]!r}'s; rename that input in the mapping",
+            path=main.root,
+            rule="input-name",
+        )
+    headers = dict(main.headers)
+    tensors = dict(main.stored())
+    owner: dict[Path, str] = {p.resolve(): "the main input" for p in headers}
+    prefixes: dict[Path, str] = {}
+    loaded = dict(main._loaded)
+    for prefix, ckpt in parts:
+        for path, header in ckpt.headers.items():
+            real = path.resolve()
+            if real in owner:
+                raise CheckpointError(
+                    f"is read as {owner[real]} and as input {prefix.split(':')[0]!r}: bind "
+                    "each input to its own files",
+                    path=path,
+                    rule="input-twice",
+                )
+            owner[real] = f"input {prefix.split(':')[0]!r}"
+            renamed = prefixed_header(header, prefix)
+            headers[path] = renamed
+            prefixes[path] = prefix
+            tensors.update((n, (path, info)) for n, info in renamed.tensors.items())
+            if path in ckpt._loaded:
+                loaded[path] = {prefix + n: t for n, t in ckpt._loaded[path].items()}
+    joined = Checkpoint(main.root, headers, tensors, main.config, main.index_path)
+    joined._loaded = loaded
+    joined.prefixes = MappingProxyType(prefixes)
+    return joined
