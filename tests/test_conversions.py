@@ -381,6 +381,7 @@ def test_every_example_is_tested() -> None:
         "llama3-config",
         "gptq-dequant",  # tests/test_quant_formats.py
         "awq-dequant",  # tests/test_quant_formats.py
+        "average",  # tests/test_several_inputs.py
     }
     assert set(dict(EXAMPLE.findall(LANGUAGE_DOC.read_text()))) == tested
 

@@ -408,3 +408,25 @@ def test_gptq_dequant_on_ray_gives_the_local_bytes(tmp_path: Path) -> None:
     with Checkpoint.open(tmp_path / "src" / "ray") as out:
         for name, t in _expect_gptq(tensors, 4).items():
             assert torch.equal(out.view(name), t), name
+
+
+def test_several_inputs_on_ray(tmp_path: Path) -> None:
+    """Meta's rank files (PyTorch pickles, read by each task under their rank's names) and a
+    LoRA merge: the cluster writes the local executor's bytes."""
+    from several import lora_pair, meta_ranks
+
+    folder, _ = meta_ranks(tmp_path / "meta", "3", 2)
+    how: dict[str, Any] = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
+    weightmap.remap(folder, tmp_path / "m-local", progress=False, **how)
+    weightmap.remap(folder, tmp_path / "m-ray", executor="ray", workers=2, chunk_bytes=4096, **how)
+    assert folder_bytes(tmp_path / "m-ray") == folder_bytes(tmp_path / "m-local")
+
+    base, adapter = lora_pair(
+        tmp_path / "lora", base_dtype=torch.bfloat16, adapter_dtype=torch.bfloat16
+    )
+    lora: dict[str, Any] = {"preset": "lora-merge", "inputs": {"adapter": adapter}}
+    weightmap.remap(base, tmp_path / "l-local", progress=False, **lora)
+    weightmap.remap(
+        base, tmp_path / "l-ray", executor="ray", workers=2, chunk_bytes=4096, verify=True, **lora
+    )
+    assert folder_bytes(tmp_path / "l-ray") == folder_bytes(tmp_path / "l-local")
