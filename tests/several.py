@@ -220,8 +220,17 @@ def lora_pair(
     return base_dir, adapter_dir
 
 
-def peft_merge(base: Tensors, adapter: Tensors, config: dict[str, Any]) -> Tensors:
-    """merge_and_unload's weights on the CPU: get_delta_weight, then ``weight.data += delta``."""
+def peft_merge(
+    base: Tensors, adapter: Tensors, config: dict[str, Any], *, autocast: bool = True
+) -> Tensors:
+    """merge_and_unload's weights on the CPU: get_delta_weight, then ``weight.data += delta``.
+
+    ``autocast``: the adapter as ``PeftModel.from_pretrained`` loads it by default
+    (``autocast_adapter_dtype=True``, ``_cast_adapter_dtype``): bfloat16 and float16 adapter
+    weights become float32, so get_delta_weight's ``cast_to_fp32`` branch is not taken and
+    the float32 delta is added to the weight with one rounding. Without it (the adapter kept
+    in its dtype), the delta is computed in float32 and rounded to the adapter's dtype first.
+    """
     import math
 
     r, alpha = config["r"], config["lora_alpha"]
@@ -232,6 +241,8 @@ def peft_merge(base: Tensors, adapter: Tensors, config: dict[str, Any]) -> Tenso
         if f"{key}.lora_A.weight" not in adapter:
             continue
         weight_a, weight_b = adapter[f"{key}.lora_A.weight"], adapter[f"{key}.lora_B.weight"]
+        if autocast and weight_b.dtype in (torch.float16, torch.bfloat16):
+            weight_a, weight_b = weight_a.float(), weight_b.float()
         dtype = weight_b.dtype
         cast_to_fp32 = dtype in (torch.float16, torch.bfloat16)  # (device.type == "cpu")
         if cast_to_fp32:

@@ -125,6 +125,7 @@ def test_the_single_rank_preset_points_at_the_ranks_one(tmp_path: Path) -> None:
 # -- LoRA merge ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("autocast", [True, False])
 @pytest.mark.parametrize(
     ("base_dtype", "adapter_dtype", "extra"),
     [
@@ -134,7 +135,11 @@ def test_the_single_rank_preset_points_at_the_ranks_one(tmp_path: Path) -> None:
     ],
 )
 def test_lora_merge_is_peft(
-    tmp_path: Path, base_dtype: torch.dtype, adapter_dtype: torch.dtype, extra: dict[str, Any]
+    tmp_path: Path,
+    base_dtype: torch.dtype,
+    adapter_dtype: torch.dtype,
+    extra: dict[str, Any],
+    autocast: bool,
 ) -> None:
     base, adapter = lora_pair(
         tmp_path,
@@ -144,16 +149,26 @@ def test_lora_merge_is_peft(
         alpha=extra.get("lora_alpha", 16),
         extra={k: v for k, v in extra.items() if k not in ("r", "lora_alpha")},
     )
-    got = _every_way(base, tmp_path, {"adapter": adapter}, preset="lora-merge")
+    params = {} if autocast else {"autocast": False}
+    got = _every_way(base, tmp_path, {"adapter": adapter}, preset="lora-merge", params=params)
     config = json.loads((adapter / "adapter_config.json").read_text())
     expected = peft_merge(
         load_file(base / "model.safetensors"),
         load_file(adapter / "adapter_model.safetensors"),
         config,
+        autocast=autocast,
     )
-    # Half-precision adapters: every product of two bf16/f16 values is exact in float32, so
-    # BLAS's sums (fused or not) and matmul's ordered ones agree: peft's bits exactly.
+    # Half-precision adapters: every product of two bf16/f16 values is exact in float32, and
+    # with r terms BLAS sums them in order (as matmul does): peft's bits exactly.
     _same(got, expected)
+    # The two roundings differ: the default (one rounding) is not the other's result.
+    other = peft_merge(
+        load_file(base / "model.safetensors"),
+        load_file(adapter / "adapter_model.safetensors"),
+        config,
+        autocast=not autocast,
+    )
+    assert any(not torch.equal(got[k], other[k]) for k in got)
 
 
 def test_lora_merge_of_a_float32_adapter(tmp_path: Path) -> None:
