@@ -38,7 +38,7 @@ from weightmap.plan.nodes import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["chunk_plan", "region", "tree_nodes"]
+__all__ = ["chunk_plan", "concat_pieces", "region", "tree_nodes"]
 
 
 def region(
@@ -73,16 +73,7 @@ def region(
             return sub(node.src, dim, node.start + start, node.start + stop)
         return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
-        if dim != node.dim:
-            return torch.cat([sub(s, dim, start, stop) for s in node.srcs], node.dim)
-        pieces, base = [], 0
-        for s in node.srcs:
-            size = s.shape[dim]
-            lo, hi = max(start, base), min(stop, base + size)
-            if lo < hi:
-                pieces.append(sub(s, dim, lo - base, hi - base))
-            base += size
-        return torch.cat(pieces, dim)
+        return torch.cat(concat_pieces(node, dim, start, stop, sub), node.dim)
     if isinstance(node, Stack):
         if dim == node.dim:
             return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)
@@ -128,6 +119,22 @@ def region(
 
 
 Sub = Callable[[Node, int, int, int], "torch.Tensor"]
+
+
+def concat_pieces(node: Concat, dim: int, start: int, stop: int, sub: Sub) -> list[torch.Tensor]:
+    """The pieces whose concatenation along ``node.dim`` is the region ``[start, stop)`` of
+    ``node`` along ``dim``: every source's region across the concatenated dim, or the sources
+    the region overlaps along it."""
+    if dim != node.dim:
+        return [sub(s, dim, start, stop) for s in node.srcs]
+    pieces, base = [], 0
+    for s in node.srcs:
+        size = s.shape[dim]
+        lo, hi = max(start, base), min(stop, base + size)
+        if lo < hi:
+            pieces.append(sub(s, dim, lo - base, hi - base))
+        base += size
+    return pieces
 
 
 def _matmul_region(node: Matmul, dim: int, start: int, stop: int, sub: Sub) -> torch.Tensor:
