@@ -373,19 +373,21 @@ def test_clean_goes_on_past_a_leftover_it_cannot_remove(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import weightmap.cli as cli
+    import weightmap.fs.atomic as atomic
 
     stuck = tmp_path / ".a.weightmap-tmp-999999998-abcd"
     dead = tmp_path / ".b.weightmap-tmp-999999999-abcd"
     stuck.mkdir()
     dead.mkdir()
-    real = cli.remove_path
+    real = atomic.remove_path
 
     def remove(path: Path) -> None:
         if path == stuck:
             raise PermissionError(13, "Permission denied")
         real(path)
 
-    monkeypatch.setattr(cli, "remove_path", remove)
+    # (the command imports remove_path when it runs: patched where it lives)
+    monkeypatch.setattr(atomic, "remove_path", remove)
     assert cli.main(["clean", str(tmp_path)]) == 1
     out = capsys.readouterr()
     assert f"could not remove {stuck}: Permission denied" in out.err
@@ -404,3 +406,42 @@ def test_plan_json_refuses_what_strict_json_cannot_hold(example: Path, tmp_path:
     assert "lone surrogate at `files." in r.stderr and "strict JSON only" in r.stderr
     r = run("plan", str(src), "--preset", "eagle3-sglang", "--json", "--no-side-files")
     assert r.returncode == 0 and json.loads(r.stdout)["outputs"]
+
+
+def test_help_imports_neither_the_compiler_nor_torch() -> None:
+    """`weightmap --help` starts as fast as the interpreter: the package and the command line
+    import the compiler, the executors, the parser and torch only for the commands that use
+    them (docs/benchmarks.md, start-up)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from weightmap import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('weightmap.compiler', "
+        "'weightmap.execute', 'weightmap.language', 'weightmap.api', 'torch', 'lark', "
+        "'numpy', 'safetensors')))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_parser_shows_the_library_s_choices() -> None:
+    """The parser's copies of the layouts and load-check libraries (kept in cli.py so that
+    building it imports nothing heavy) are the library's."""
+    from weightmap import cli
+    from weightmap.format.layout import LAYOUTS
+    from weightmap.loads import LIBRARIES
+
+    assert cli._LAYOUTS == LAYOUTS
+    assert cli._LIBRARIES == LIBRARIES
+
+
+def test_the_package_names_load_on_first_use() -> None:
+    import weightmap
+
+    assert set(weightmap.__all__) <= set(dir(weightmap))
+    for name in weightmap.__all__:
+        assert getattr(weightmap, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = weightmap.nope  # type: ignore[attr-defined]

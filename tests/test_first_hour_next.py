@@ -271,13 +271,15 @@ def test_progress_lines_when_stderr_is_not_a_terminal(
     save_file({f"w{i}": block for i in range(4)}, src / "model.safetensors")
     m = _mapping(tmp_path, 'cast "**" to bf16')
     seen: list[object] = []
-    real_remap = cli.remap
+    import weightmap.api as api
+
+    real_remap = api.remap
 
     def remap(*args: object, **kw: object) -> object:
         seen.append(kw["progress"])
         return real_remap(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cli, "remap", remap)
+    monkeypatch.setattr(api, "remap", remap)  # (the command imports it when it runs)
     monkeypatch.setattr(cli, "time", real_time)
     assert cli.main(["convert", str(src), str(tmp_path / "out"), "--mapping", m]) == 0
     assert isinstance(seen[-1], cli._ProgressLines)

@@ -192,13 +192,6 @@ def _opened(
         main.close()
 
 
-def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
-    """Open a local checkpoint, or a Hub repository id's (its weights and config fetched
-    into huggingface_hub's cache first)."""
-    src = ResolvedInput.resolve(checkpoint, config_name, progress=sys.stderr.isatty())
-    return Checkpoint.open(src.path, config_name=config_name)
-
-
 def remap(
     checkpoint: PathLike,
     out: PathLike | None = None,

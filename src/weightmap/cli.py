@@ -18,10 +18,8 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from weightmap.api import compile as compile_plan_for
-from weightmap.api import invert, open_checkpoint, recover, remap
 from weightmap.errors import (
     Cancelled,
     CheckpointError,
@@ -30,16 +28,21 @@ from weightmap.errors import (
     MappingSyntaxError,
     WeightmapError,
 )
-from weightmap.format.layout import JOURNAL_NAME, LAYOUTS
 from weightmap.format.text import JsonRefused, json_problem, one_line, printable, strict_json
 from weightmap.format.text import human_size as _human
-from weightmap.fs.atomic import remove_path, temporaries
 from weightmap.fs.cancel import CancelToken, hand_off_releases
-from weightmap.inputs.diff import diff_checkpoints
-from weightmap.language import ast as A
-from weightmap.language.mapping import Mapping, load_preset, preset_names, resolve_mapping
-from weightmap.loads import LIBRARIES, check_loads
-from weightmap.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from weightmap.language import ast as A
+    from weightmap.language.mapping import Mapping
+    from weightmap.plan.plan import Plan
+
+# The rest of weightmap (the compiler, the executors, the mapping parser, torch) is imported
+# by the command that uses it: `weightmap --help` and `weightmap presets` should start as fast
+# as the interpreter does (docs/benchmarks.md, start-up).
+# What the parser shows, kept equal to format/layout.py's and loads.py's (tests/test_cli.py).
+_LAYOUTS = ("clone", "reference")
+_LIBRARIES = ("transformers",)
 
 __all__ = ["main"]
 
@@ -102,6 +105,8 @@ def _params(items: Sequence[str] | None, rules: Mapping | None = None) -> dict[s
 
 
 def _mapping_of(args: argparse.Namespace) -> Mapping:
+    from weightmap.language.mapping import preset_names, resolve_mapping
+
     if (args.preset is None) == (args.mapping is None):
         hint = ""
         # A local input: the presets that would apply (a malformed one is said when it is
@@ -119,6 +124,8 @@ def _mapping_of(args: argparse.Namespace) -> Mapping:
 
 def _named_mapping(spec: str) -> Mapping:
     """A command's MAPPING argument: a mapping file if one exists there, else a preset name."""
+    from weightmap.language.mapping import preset_names, resolve_mapping
+
     if Path(spec).exists() and not Path(spec).is_dir():
         # A file, or something that is not one (a FIFO): the mapping loader says which.
         return resolve_mapping(mapping=Path(spec))
@@ -189,6 +196,9 @@ def _warn(plan: Plan) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from weightmap.api import remap
+    from weightmap.loads import check_loads
+
     rules = _mapping_of(args)
     if args.inplace and args.dst is not None:
         raise UsageError("--inplace rewrites SRC itself; give no DST")
@@ -243,6 +253,8 @@ _PLAN_ROWS = 50
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from weightmap.api import compile as compile_plan_for
+
     rules = _mapping_of(args)
     plan = compile_plan_for(
         args.src,
@@ -275,6 +287,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from weightmap.inputs.resolve import open_checkpoint
+
     with open_checkpoint(args.checkpoint) as ckpt:
         rows = [
             (name, info.dtype, list(info.shape), info.nbytes, ckpt.file_of(name).name)
@@ -320,6 +334,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
+    from weightmap.inputs.diff import diff_checkpoints
+    from weightmap.inputs.resolve import open_checkpoint
+
     # Side files compared between two folders only (a file given alone has no side files).
     folders = Path(args.a).is_dir() and Path(args.b).is_dir()
     with open_checkpoint(args.a) as a, open_checkpoint(args.b) as b:
@@ -367,6 +384,8 @@ def _description(text: str) -> str:
 
 
 def _requires(stmts: Sequence[A.Stmt]) -> list[str]:
+    from weightmap.language import ast as A
+
     out: list[str] = []
     for st in stmts:
         if isinstance(st, A.Require):
@@ -379,6 +398,7 @@ def _requires(stmts: Sequence[A.Stmt]) -> list[str]:
 def _model_types(stmts: Sequence[A.Stmt]) -> list[str] | None:
     """The model types a preset's top-level requires accept (``config.model_type in [...]``
     or ``== "..."``, alone or in an ``and``), or None when they do not say."""
+    from weightmap.language import ast as A
 
     def accepted(cond: A.Expr) -> list[str] | None:
         if not isinstance(cond, A.BinOp):
@@ -404,6 +424,8 @@ def _model_types(stmts: Sequence[A.Stmt]) -> list[str] | None:
 
 def _reads_params(node: object, params: Collection[str]) -> bool:
     """Whether an expression reads one of ``params``."""
+    from weightmap.language import ast as A
+
     if isinstance(node, A.Name):
         return node.id in params
     if isinstance(node, tuple):
@@ -414,6 +436,8 @@ def _reads_params(node: object, params: Collection[str]) -> bool:
 
 def _param_requires(stmts: Sequence[A.Stmt], params: Collection[str]) -> set[str]:
     """The locations of the requires that read a param: a --set may lift them."""
+    from weightmap.language import ast as A
+
     out: set[str] = set()
     for st in stmts:
         if isinstance(st, A.Require) and _reads_params(st.cond, params):
@@ -426,6 +450,9 @@ def _param_requires(stmts: Sequence[A.Stmt], params: Collection[str]) -> set[str
 def _applies(name: str, checkpoint: str) -> tuple[bool, str]:
     """Whether preset ``name`` compiles against ``checkpoint`` with its default params, and
     why not: the first refusal (a refusal a param can lift is said as one)."""
+    from weightmap.api import compile as compile_plan_for
+    from weightmap.language.mapping import load_preset
+
     preset = load_preset(name)
     try:
         compile_plan_for(checkpoint, preset=name)
@@ -444,6 +471,8 @@ def _applies(name: str, checkpoint: str) -> tuple[bool, str]:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
+    from weightmap.language.mapping import load_preset, preset_names
+
     if args.for_checkpoint is not None:
         if args.name is not None:
             raise UsageError("give a preset NAME or --for CHECKPOINT, not both")
@@ -479,6 +508,9 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from weightmap.api import compile as compile_plan_for
+    from weightmap.loads import check_loads
+
     if args.loads is not None and args.checkpoint is None:
         # `check OUT --loads transformers`: the one argument is the checkpoint to load.
         _params(args.set)
@@ -507,12 +539,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_invert(args: argparse.Namespace) -> int:
+    from weightmap.api import invert
+
     inverse = invert(_named_mapping(args.mapping), check=args.checkpoint, params=_params(args.set))
     print(inverse.text.rstrip())
     return 0
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
+    from weightmap.api import recover
+    from weightmap.format.layout import JOURNAL_NAME
+    from weightmap.fs.atomic import remove_path, temporaries
+
     folder = Path(args.path)
     if not folder.is_dir():
         raise UsageError(f"{folder} is not a folder")
@@ -554,7 +592,7 @@ def _loads_args(p: argparse.ArgumentParser, flag: str, what: str) -> None:
         flag,
         metavar="LIBRARY",
         default=None,
-        help=f"{what} ({', '.join(LIBRARIES)}) into the model its config.json names, built "
+        help=f"{what} ({', '.join(_LIBRARIES)}) into the model its config.json names, built "
         "without weights (exit 1 listing missing, unexpected and mismatched tensors)",
     )
     p.add_argument(
@@ -694,7 +732,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--layout",
-        choices=LAYOUTS,
+        choices=_LAYOUTS,
         default="clone",
         help="clone (default): unchanged bytes keep their input offsets modulo 4096, so a "
         "copy-on-write filesystem can share them; reference: the bytes safetensors.save_file "

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightmap.errors import CheckpointError
+from weightmap.format.layout import CONFIG_NAME
 from weightmap.inputs.sidefiles import FolderFiles, list_side_files
 
 if TYPE_CHECKING:
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from weightmap.inputs.checkpoint import Checkpoint
     from weightmap.inputs.hub import HubRepo
 
-__all__ = ["ResolvedInput", "check_local_path"]
+__all__ = ["ResolvedInput", "check_local_path", "open_checkpoint"]
 
 PathLike = str | os.PathLike[str]
 
@@ -111,3 +113,12 @@ class ResolvedInput:
         names = list(wanted)
         if self.repo is not None and names:
             self.repo.fetch(names, progress=progress, side=True, cancel=cancel)
+
+
+def open_checkpoint(checkpoint: PathLike, *, config_name: str = CONFIG_NAME) -> Checkpoint:
+    """Open a local checkpoint, or a Hub repository id's (its weights and config fetched
+    into huggingface_hub's cache first)."""
+    from weightmap.inputs.checkpoint import Checkpoint
+
+    src = ResolvedInput.resolve(checkpoint, config_name, progress=sys.stderr.isatty())
+    return Checkpoint.open(src.path, config_name=config_name)
