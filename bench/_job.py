@@ -4,6 +4,8 @@
     python bench/_job.py inplace SRC --mapping FILE --back FILE
     python bench/_job.py naive SRC DST OP        # OP: rename, to-f32, to-bf16, split, transpose
     python bench/_job.py cp SRC DST [--fsync]
+    python bench/_job.py naive-ranks SRC DST     # Meta's rank files joined as write_model
+    python bench/_job.py peft BASE ADAPTER DST   # peft's merge_and_unload (bench/README.md)
 
 Only the operation is timed (``seconds``); imports happen before the clock starts and
 ``startup`` is the time from interpreter start to the clock starting. ``rss_peak`` is
@@ -208,7 +210,13 @@ def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
 
     import weightmap
 
-    source = {"preset": args.preset} if args.preset else {"mapping": Path(args.mapping)}
+    source: dict[str, Any] = (
+        {"preset": args.preset} if args.preset else {"mapping": Path(args.mapping)}
+    )
+    if args.set:
+        source["params"] = {k: json.loads(v) for k, _, v in (x.partition("=") for x in args.set)}
+    if args.input:
+        source["inputs"] = dict(x.split("=", 1) for x in args.input)
     timer = FsyncTimer()
     os.fsync = timer
     parser = ParserTimer()
@@ -298,6 +306,74 @@ def job_naive(args: argparse.Namespace) -> dict[str, Any]:
     return _measure(op)
 
 
+def job_naive_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    """Meta's rank files joined as transformers' convert_llama_weights_to_hf.py (write_model,
+    num_shards > 1, Llama 3) does it: every rank loaded whole, each tensor concatenated (q and
+    k then permuted), the state dict saved."""
+    import torch
+    from safetensors.torch import save_file
+
+    src, dst = Path(args.src), Path(args.dst)
+
+    def op() -> dict[str, Any]:
+        dst.mkdir()
+        params = json.loads((src / "params.json").read_text())
+        files = sorted(src.glob("consolidated.*.pth"))
+        loaded = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+        n = len(loaded)
+        dim, n_heads = params["dim"], params["n_heads"]
+        head = dim // n_heads
+        kv = params.get("n_kv_heads") or n_heads
+
+        def permute(w: torch.Tensor, heads: int, dim1: int) -> torch.Tensor:
+            return w.view(heads, dim1 // heads // 2, 2, dim).transpose(1, 2).reshape(dim1, dim)
+
+        def cat(name: str, d: int) -> torch.Tensor:
+            return torch.cat([sd[name] for sd in loaded], dim=d)
+
+        out: dict[str, torch.Tensor] = {}
+        for i in range(params["n_layers"]):
+            p, q = f"layers.{i}.", f"model.layers.{i}."
+            wq = torch.cat([sd[p + "attention.wq.weight"].view(n_heads // n, head, dim)
+                            for sd in loaded]).reshape(dim, dim)  # fmt: skip
+            wk = torch.cat([sd[p + "attention.wk.weight"].view(kv // n, head, dim)
+                            for sd in loaded]).reshape(kv * head, dim)  # fmt: skip
+            out[q + "self_attn.q_proj.weight"] = permute(wq, n_heads, dim)
+            out[q + "self_attn.k_proj.weight"] = permute(wk, kv, kv * head)
+            out[q + "self_attn.v_proj.weight"] = cat(p + "attention.wv.weight", 0)
+            out[q + "self_attn.o_proj.weight"] = cat(p + "attention.wo.weight", 1)
+            out[q + "mlp.gate_proj.weight"] = cat(p + "feed_forward.w1.weight", 0)
+            out[q + "mlp.down_proj.weight"] = cat(p + "feed_forward.w2.weight", 1)
+            out[q + "mlp.up_proj.weight"] = cat(p + "feed_forward.w3.weight", 0)
+            out[q + "input_layernorm.weight"] = loaded[0][p + "attention_norm.weight"]
+            out[q + "post_attention_layernorm.weight"] = loaded[0][p + "ffn_norm.weight"]
+        out["model.embed_tokens.weight"] = cat("tok_embeddings.weight", 0)
+        out["model.norm.weight"] = loaded[0]["norm.weight"]
+        out["lm_head.weight"] = cat("output.weight", 0)
+        save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+        return {}
+
+    return _measure(op)
+
+
+def job_peft(args: argparse.Namespace) -> dict[str, Any]:
+    """peft's merge_and_unload on the CPU: the base loaded with transformers, the adapter
+    applied, merged, and the model saved with save_pretrained."""
+    import peft  # noqa: F401
+    import torch
+    import transformers
+
+    def op() -> dict[str, Any]:
+        from peft import PeftModel
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16)
+        merged = PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
+        merged.save_pretrained(args.dst, max_shard_size="100GB")
+        return {}
+
+    return _measure(op)
+
+
 # -- cp --------------------------------------------------------------------------------------
 
 
@@ -347,7 +423,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mapping")
     p.add_argument("--preset")
     p.add_argument("--torch", action="store_true", help="import torch before timing")
+    p.add_argument("--set", action="append", help="KEY=JSON, a mapping param")
+    p.add_argument("--input", action="append", help="NAME=PATH, a declared input")
     p.set_defaults(fn=job_weightmap)
+    p = sub.add_parser("naive-ranks")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.set_defaults(fn=job_naive_ranks)
+    p = sub.add_parser("peft")
+    p.add_argument("base")
+    p.add_argument("adapter")
+    p.add_argument("dst")
+    p.set_defaults(fn=job_peft)
     p = sub.add_parser("inplace")
     p.add_argument("src")
     p.add_argument("--mapping", required=True, help="the forward rename (timed)")
