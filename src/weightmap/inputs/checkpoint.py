@@ -305,7 +305,7 @@ class Checkpoint:
         )
         self._specs: tuple[TensorSpec, ...] | None = None
         # The prefix each file's tensors carry in this checkpoint (``adapter:``, a mapping's
-        # other inputs: inputs/several.py); a PyTorch file read again is renamed the same way.
+        # other inputs: binding.py); a PyTorch file read again is renamed the same way.
         self.prefixes: Mapping[Path, str] = MappingProxyType({})
 
     # -- opening -----------------------------------------------------------------------------
@@ -429,7 +429,7 @@ class Checkpoint:
                 "holds a slice of every tensor, split along a dimension that depends on the "
                 "layer, so no one shard is a checkpoint; read them all as one family of inputs "
                 "(`--preset llama-meta-ranks-to-hf` joins and converts Meta's Llama ranks), or "
-                "write a mapping with `input ranks files \"consolidated.{r}.pth\"`",
+                'write a mapping with `input ranks files "consolidated.{r}.pth"`',
                 path=path.parent,
                 rule="model-parallel",
             )
