@@ -316,6 +316,37 @@ def test_float_casts_give_nans_the_same_bits_whatever_the_chunks(
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+@pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 1, 3 * (1 << 16) + 7])
+def test_e4m3_decodes_through_the_pair_table_with_torch_s_bits(dst: torch.dtype, n: int) -> None:
+    """The byte-pair table (nans.py) gives every element the bits of the cast it replaces,
+    NaNs too, at even and odd lengths and at an offset into a larger tensor."""
+    from weightmap.execute import nans
+
+    gen = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 256, (n + 3,), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes[3:259] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # every byte once
+    x = codes.view(torch.float8_e4m3fn)[3:]  # (a view at an odd offset)
+    got = nans.convert(x, dst)
+    assert got.dtype == dst and got.shape == x.shape
+    single = torch.stack(
+        [
+            nans.convert(b.reshape(1), dst)
+            for b in torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn)
+        ]
+    ).reshape(-1)
+    expected = single[x.view(torch.uint8).to(torch.int64)]
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    # The values (not the NaN payloads, which torch's loops may differ in) are torch's own.
+    plain = x.to(dst)
+    nan = torch.isnan(plain)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.uint8), plain[~nan].view(torch.uint8))
+    # A strided tensor or a small one keeps torch's path, with the same values.
+    strided = nans.convert(x[::2], dst)
+    assert torch.equal(strided.view(torch.uint8), expected[::2].contiguous().view(torch.uint8))
+
+
 def test_sources_of_a_rename_are_the_general_sources(tmp_path: Path) -> None:
     """Where every output is an input tensor in full, ``_sources`` skips the general loop and
     makes ``copied`` and ``where`` only when asked: they must be what the general loop gives."""
