@@ -14,6 +14,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 # The headings of the sections run.py does not measure, in the order the document has them.
 KEPT = (
     "## Several inputs",  # bench/bench_several.py
+    "## Start-up",  # bench/bench_startup.py
     "## fp8 dequantization",  # bench/bench_fp8.py
     "## PyTorch checkpoints",  # bench/bench_pickle.py, written from its table
     "## Past one machine",  # bench/bench_ray.py

@@ -1,0 +1,116 @@
+"""Start-up: how long `weightmap --help`, `weightmap presets` and `weightmap inspect` take,
+against the bare interpreter and a baseline commit, side by side.
+
+    python bench/bench_startup.py [--baseline COMMIT] [--repeat 21] [--no-write]
+
+Each command is a fresh process (``python -c "from weightmap.cli import main; main([...])"``
+with ``PYTHONPATH`` set to the tree under test, so both trees start the same way; the
+installed ``weightmap`` script adds nothing but its own two-line file). The runs are
+interleaved, commands rotated, and the medians reported, with ``python -c pass`` in the same
+rotation as the floor. ``inspect`` reads the example drafter in ``examples/``. Writes the
+section "Start-up" of docs/benchmarks.md (``--no-write``: print it only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sections import write_section
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## Start-up"
+COMMANDS = {
+    "`weightmap --help`": ["--help"],
+    "`weightmap presets`": ["presets"],
+    "`weightmap inspect` (example drafter)": ["inspect", str(ROOT / "examples/eagle3-speculators")],
+}
+
+
+def _checkout(commit: str, workdir: Path) -> Path:
+    """``src/``, ``grammars/`` and ``mappings/`` at ``commit``, unpacked (as bench/run.py)."""
+    target = workdir / f"baseline-{commit}"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "src", "grammars", "mappings"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target / "src"
+
+
+def _time(argv: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", help="a commit to compare with (e.g. the last release)")
+    p.add_argument("--repeat", type=int, default=21)
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    args = p.parse_args()
+    trees = {"now": ROOT / "src"}
+    with tempfile.TemporaryDirectory(prefix="weightmap-startup-") as scratch:
+        if args.baseline:
+            trees["before"] = _checkout(args.baseline, Path(scratch))
+        jobs: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
+        bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        jobs[("`python -c pass`", "")] = ([sys.executable, "-c", "pass"], bare_env)
+        for tree, src in trees.items():
+            env = bare_env | {"PYTHONPATH": str(src)}
+            for label, cmd in COMMANDS.items():
+                code = f"import sys; from weightmap.cli import main; sys.exit(main({cmd!r}))"
+                jobs[(label, tree)] = ([sys.executable, "-c", code], env)
+        for argv, env in jobs.values():  # warm the page cache and the parser cache
+            _time(argv, env)
+        samples: dict[tuple[str, str], list[float]] = {key: [] for key in jobs}
+        keys = list(jobs)
+        for rep in range(args.repeat):
+            for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:
+                samples[key].append(_time(*jobs[key]))
+    med = {key: statistics.median(v) * 1000 for key, v in samples.items()}
+    floor = med[("`python -c pass`", "")]
+    head = "| command | now | now - `python -c pass` |"
+    rule = "|---|---|---|"
+    if "before" in trees:
+        head += " before | before - `python -c pass` | before / now |"
+        rule += "---|---|---|"
+    blank = " | | |" if "before" in trees else ""
+    rows = [head, rule, f"| `python -c pass` | {floor:.0f} ms | |{blank}"]
+    for label in COMMANDS:
+        now = med[(label, "now")]
+        row = f"| {label} | {now:.0f} ms | {now - floor:+.0f} ms |"
+        if "before" in trees:
+            before = med[(label, "before")]
+            row += f" {before:.0f} ms | {before - floor:+.0f} ms | {before / now:.2f}x |"
+        rows.append(row)
+    lines = [
+        f"{SECTION}",
+        "",
+        f"Wall time of a fresh process per command, medians of {args.repeat} runs, interleaved "
+        "and rotated with the bare interpreter's start in the same environment (the project's "
+        "test environment, with torch, transformers and ray installed). "
+        + (f"**before** is commit `{args.baseline}`. " if args.baseline else "")
+        + f"`python bench/{Path(__file__).name}` ({time.strftime('%Y-%m-%d')}, "
+        f"{os.uname().machine}, {os.cpu_count()} cores).",
+        "",
+        *rows,
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
