@@ -11,13 +11,11 @@ pages until it is done.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 from weightmap.errors import ExecutionError
 from weightmap.execute.chunks import chunk_plan, concat_pieces, region, tree_nodes
@@ -113,7 +111,6 @@ class Computer:
             self.report(data.nbytes)
             del data
             self._release(seen)
-            _return_freed_memory()
         return crc
 
     def _release(self, seen: list[tuple[str, torch.Tensor]]) -> None:
@@ -224,29 +221,3 @@ def _memory(t: torch.Tensor) -> memoryview:
     if flat.stride(0) != 1:
         flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8).numpy().data
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):  # not glibc
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return cast("Callable[[int], int]", fn)
-
-
-def _return_freed_memory() -> None:
-    """Give the pages of freed intermediates back to the system, after each computed chunk.
-
-    glibc raises its mmap threshold to the size of each large block freed, so after the first
-    chunk the intermediates of later chunks (a concatenation, a reshape's copy: megabytes
-    each) come from the heap of each writer thread's arena, and freed they stay resident: on a
-    rotary permute of eight rank files that held about 100 MiB more than the chunk budget
-    (bench/bench_several.py). ``malloc_trim`` returns the free pages of every arena (a few
-    microseconds when there are none); the next chunk faults in what it uses.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
