@@ -26,6 +26,8 @@ from sections import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Start-up"
+STDLIB_MODULES = "argparse, json, re, pathlib, typing, dataclasses"
+STDLIB = f"`python -c 'import {STDLIB_MODULES}'`"
 COMMANDS = {
     "`weightmap --help`": ["--help"],
     "`weightmap presets`": ["presets"],
@@ -65,6 +67,10 @@ def main() -> None:
         jobs: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
         bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         jobs[("`python -c pass`", "")] = ([sys.executable, "-c", "pass"], bare_env)
+        # The standard library the command line cannot do without (argparse, json, re,
+        # pathlib) and what weightmap.errors and most modules use (typing, dataclasses):
+        # the floor under any import of weightmap, measured in the same rotation.
+        jobs[(STDLIB, "")] = ([sys.executable, "-c", f"import {STDLIB_MODULES}"], bare_env)
         for tree, src in trees.items():
             env = bare_env | {"PYTHONPATH": str(src)}
             for label, cmd in COMMANDS.items():
@@ -86,6 +92,9 @@ def main() -> None:
         rule += "---|---|---|"
     blank = " | | |" if "before" in trees else ""
     rows = [head, rule, f"| `python -c pass` | {floor:.0f} ms | |{blank}"]
+    rows.append(
+        f"| {STDLIB} | {med[(STDLIB, '')]:.0f} ms | {med[(STDLIB, '')] - floor:+.0f} ms |{blank}"
+    )
     for label in COMMANDS:
         now = med[(label, "now")]
         row = f"| {label} | {now:.0f} ms | {now - floor:+.0f} ms |"
@@ -104,6 +113,13 @@ def main() -> None:
         f"{os.uname().machine}, {os.cpu_count()} cores).",
         "",
         *rows,
+        "",
+        "`python -X importtime -c 'from weightmap.cli import main'` shows where the rest goes. "
+        "`--help` imports weightmap's errors, text and cancel modules and the command line "
+        "itself, nothing of the compiler, the executors, the parser or torch "
+        "(`tests/test_cli.py`); `presets` loads every preset (the parsed programs come from "
+        "the parser cache, but the rule language's modules are imported); `inspect` imports the "
+        "checkpoint reader.",
         "",
     ]
     text = "\n".join(lines)
