@@ -937,6 +937,7 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
                 "quantize",
                 "split",
                 "chunk",
+                "chunk_into",
                 "merge",
                 "stack",
                 "unstack",
@@ -969,6 +970,12 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
         k = draw(st.sampled_from([k for k in (1, 2, 3, 4) if shape[d] % k == 0]))
         outs = ", ".join(f'"{p}.c{i}"' for i in range(k))
         return {f"{p}.fused": draw(tensor(shape, code))}, f'chunk "{p}.fused" dim {d} -> {outs}'
+    if op == "chunk_into":  # pieces named by their index, as a scatter into ranks names them
+        k = draw(st.sampled_from([k for k in (1, 2, 3, 4) if shape[d] % k == 0]))
+        return (
+            {f"{p}.fused": draw(tensor(shape, code))},
+            f'chunk "{p}.fused" dim {d} into {k} -> "{p}.r{{i}}"',
+        )
     if op == "merge":
         widths = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(2, 3)))]
         inputs = {}

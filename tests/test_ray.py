@@ -430,3 +430,26 @@ def test_several_inputs_on_ray(tmp_path: Path) -> None:
         base, tmp_path / "l-ray", executor="ray", workers=2, chunk_bytes=4096, verify=True, **lora
     )
     assert folder_bytes(tmp_path / "l-ray") == folder_bytes(tmp_path / "l-local")
+
+
+def test_several_outputs_on_ray(tmp_path: Path) -> None:
+    """Hugging Face Llama back into Meta's rank files: each task writes into the member file
+    its piece belongs to, and the cluster writes the local executor's bytes."""
+    from several import meta_ranks
+
+    folder, _ = meta_ranks(tmp_path / "meta", "3", 2)
+    hf = tmp_path / "hf"
+    weightmap.remap(folder, hf, preset="llama-meta-ranks-to-hf", params={"version": "3"})
+    how: dict[str, Any] = {
+        "preset": "llama-hf-to-meta-ranks",
+        "params": {"ranks": 2, "version": "3", "multiple_of": 32, "ffn_dim_multiplier": 1.3},
+    }
+    weightmap.remap(hf, tmp_path / "local", progress=False, **how)
+    weightmap.remap(
+        hf, tmp_path / "ray", executor="ray", workers=2, chunk_bytes=4096, verify=True, **how
+    )
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
+    assert sorted(p.name for p in (tmp_path / "ray").glob("*.safetensors")) == [
+        "consolidated.00.safetensors",
+        "consolidated.01.safetensors",
+    ]

@@ -313,10 +313,11 @@ def test_a_main_tensor_named_like_an_input_is_refused(tmp_path: Path) -> None:
         )
 
 
-def test_several_inputs_do_not_invert_and_not_in_place(tmp_path: Path) -> None:
+def test_a_plain_input_does_not_invert_and_not_in_place(tmp_path: Path) -> None:
+    """(A family's gather inverts into a scatter: test_several_outputs.py.)"""
     first, second, _, _ = _two(tmp_path)
     mapping = 'weightmap 1\ninput other\nrename "other:{x}" -> "o.{x}"\n'
-    with pytest.raises(MappingError, match="scatter"):
+    with pytest.raises(MappingError, match="one checkpoint combined into the output"):
         weightmap.invert(mapping)
     with pytest.raises(ValueError, match="in-place rename cannot"):
         weightmap.remap(first, mapping=mapping, inputs={"other": second}, inplace=True)

@@ -299,6 +299,11 @@ def remap(
             f"{rules.name} reads several inputs, which an in-place rename cannot: write a new "
             "folder (out=)"
         )
+    if inplace and rules.outputs:
+        raise ValueError(
+            f"{rules.name} writes output family {rules.outputs[0].name!r} (files of their own),"
+            " which an in-place rename cannot: write a new folder (out=)"
+        )
     with (
         gc_paused() as pause,
         _opened(src, rules, inputs, progress=bars, cancel=token) as (ckpt, seen),

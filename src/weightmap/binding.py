@@ -16,11 +16,9 @@ rule, check and plan line works across inputs unchanged.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from weightmap.compiler.pattern import compile_pattern
@@ -28,8 +26,8 @@ from weightmap.errors import CheckpointError, MappingError
 from weightmap.format.layout import CONFIG_NAME
 from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.join import join
 from weightmap.inputs.opening import read_folder_json
-from weightmap.inputs.pickles import prefixed_header
 from weightmap.inputs.resolve import ResolvedInput
 from weightmap.language import ast as A
 
@@ -207,7 +205,7 @@ def bind_inputs(
             configs.append((decl, folder, own))
             values[decl.name] = {"count": len(members)}
         # Joined first: a file bound twice is said as such, not as the config it lacks.
-        joined = _join(main, opened, tuple(d.name for d in decls))
+        joined = join(main, opened, tuple(d.name for d in decls))
         for decl, root, own in configs:
             values[decl.name]["config"] = _config(root, decl, own)
         return Bound(joined, values, parts)
@@ -223,44 +221,3 @@ def _read_folder_config(folder: Path) -> dict[str, Any] | None:
         return None
     value = read_folder_json(folder, path, CONFIG_NAME)
     return value if isinstance(value, dict) else None
-
-
-def _join(
-    main: Checkpoint, parts: list[tuple[str, Checkpoint]], names: tuple[str, ...]
-) -> Checkpoint:
-    """One checkpoint of ``main``'s tensors and every part's, each part's names prefixed."""
-    claimed = re.compile(f"(?:{'|'.join(map(re.escape, names))}):")
-    clash = next((n for n in main if claimed.match(n)), None)
-    if clash is not None:
-        raise CheckpointError(
-            f"the main input holds a tensor named {clash!r}, which reads as one of input "
-            f"{clash.split(':', 1)[0]!r}'s; rename that input in the mapping",
-            path=main.root,
-            rule="input-name",
-        )
-    headers = dict(main.headers)
-    tensors = dict(main.stored())
-    owner: dict[Path, str] = {p.resolve(): "the main input" for p in headers}
-    prefixes: dict[Path, str] = {}
-    loaded = dict(main._loaded)
-    for prefix, ckpt in parts:
-        for path, header in ckpt.headers.items():
-            real = path.resolve()
-            if real in owner:
-                raise CheckpointError(
-                    f"is read as {owner[real]} and as input {prefix.split(':')[0]!r}: bind "
-                    "each input to its own files",
-                    path=path,
-                    rule="input-twice",
-                )
-            owner[real] = f"input {prefix.split(':')[0]!r}"
-            renamed = prefixed_header(header, prefix)
-            headers[path] = renamed
-            prefixes[path] = prefix
-            tensors.update((n, (path, info)) for n, info in renamed.tensors.items())
-            if path in ckpt._loaded:
-                loaded[path] = {prefix + n: t for n, t in ckpt._loaded[path].items()}
-    joined = Checkpoint(main.root, headers, tensors, main.config, main.index_path)
-    joined._loaded = loaded
-    joined.prefixes = MappingProxyType(prefixes)
-    return joined

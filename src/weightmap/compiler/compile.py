@@ -28,6 +28,7 @@ from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known, tensor_namer
+from weightmap.compiler.outputs import check_member_files, families, place
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
@@ -271,8 +272,11 @@ def _compile(
     if c.failed_require:
         # Rule errors against a checkpoint the mapping refuses would only be noise.
         raise CompileError(c.problems.grouped(), mapping.name)
+    fams = families(mapping.outputs, scope, c.report)
     rules = [r for r in flat.rules if c.check_rule(r)]
     outputs, dropped = run_rules(c, rules, scope, flat.unmatched)
+    locs = {d.name: d.loc for d in mapping.outputs}
+    outputs = place(outputs, fams, c.report, locs)
     out_config = _edit_config(c, flat.configs, config, scope)
     where = A.Loc(mapping.name, 1, 1)
     side = apply_files_blocks(
@@ -294,6 +298,7 @@ def _compile(
                 "give the checkpoint's folder to write it"
             )
     check_names(outputs, c.report)
+    check_member_files(fams, side, locs, c.report)
     if declared:
         _check_no_input_names(outputs, declared, c.report)
     c.warnings += stale_dtype_fields(outputs, config, out_config)
@@ -309,6 +314,7 @@ def _compile(
         config=out_config,
         input_config=config,
         files=side,
+        families=tuple(fams),
     )
 
 

@@ -405,7 +405,10 @@ def _check_readable(forward: A.Rule, r: A.Rule, others: bool) -> None:
 
 
 def _invert_stmts(
-    stmts: tuple[A.Stmt, ...], problems: list[str], others: bool = False
+    stmts: tuple[A.Stmt, ...],
+    problems: list[str],
+    others: bool = False,
+    fams: frozenset[str] = frozenset(),
 ) -> tuple[A.Stmt, ...]:
     """Each statement inverted, rules and config blocks in reverse order, params first.
 
@@ -418,6 +421,10 @@ def _invert_stmts(
     for st in stmts:
         try:
             if isinstance(st, A.Rule):
+                gather = _invert_gather(st, fams)
+                if gather is not None:  # (a scatter, or nothing: see _invert_gather)
+                    out += gather
+                    continue
                 back = _invert_rule(st)
                 _check_readable(st, back, others)
                 out.append(back)
@@ -429,8 +436,8 @@ def _invert_stmts(
                 out.append(st)
             elif isinstance(st, A.If):
                 cond = _subst(st.cond, {}, set())
-                then = _invert_stmts(st.then, problems, others)
-                orelse = _invert_stmts(st.orelse, problems, others)
+                then = _invert_stmts(st.then, problems, others, fams)
+                orelse = _invert_stmts(st.orelse, problems, others, fams)
                 out.append(A.If(cond=cond, then=then, orelse=orelse, loc=st.loc))
             elif isinstance(st, A.FilesBlock):
                 files = tuple(_invert_file(x) for x in reversed(st.stmts))
@@ -438,9 +445,20 @@ def _invert_stmts(
             elif isinstance(st, A.ConfigFrom):
                 raise _Refuse("the output's config is config.json, not the file this one reads")
             elif isinstance(st, A.InputDecl):
+                if st.files is None:
+                    raise _Refuse(
+                        f"input {st.name!r} is one checkpoint combined into the output (an "
+                        "adapter merged, a model averaged in): its tensors cannot be told "
+                        "apart from the output's again"
+                    )
+                params.append(
+                    A.Param(name=count_param(st.name), default=A.Lit(value=0), loc=st.loc)
+                )
+                params.append(_output_of(st))
+            elif isinstance(st, A.OutputDecl):
                 raise _Refuse(
-                    "a mapping of several inputs writes one checkpoint, whose inverse would "
-                    "write several (a scatter), which weightmap does not do yet"
+                    "a mapping that writes several files inverts only as a gather of a family "
+                    "of inputs, which weightmap does not derive from a scatter"
                 )
             elif isinstance(st, A.ConfigBlock):
                 back_cfg = tuple(_invert_config_edit(x) for x in reversed(st.stmts))
@@ -448,6 +466,111 @@ def _invert_stmts(
         except _Refuse as why:
             problems.append(f"{st.loc}: cannot invert this {_kind(st)}: {why}")
     return (*params, *reversed(out))
+
+
+def count_param(family: str) -> str:
+    """The param of an inverted gather that says how many ranks to write (``ranks_count``):
+    the forward mapping read it off the folder, which the inverse has no more."""
+    return f"{family}_count"
+
+
+def _output_of(decl: A.InputDecl) -> A.OutputDecl:
+    """The output family that gives back input family ``decl``: its members named as the
+    input's, as safetensors files (``consolidated.{rank}.pth`` -> ``.safetensors``)."""
+    assert decl.files is not None
+    parts = decl.files.parts
+    at = next(i for i, p in enumerate(parts) if isinstance(p, A.Capture))
+    head = parts[: at + 1]
+    after = list(parts[at + 1 :])
+    if after and isinstance(after[-1], A.Glob) and not after[-1].multi:
+        after[-1] = "any"  # (an extension read as `*`, replaced below)
+    tail = "".join(p if isinstance(p, str) else "\0" for p in after)
+    if not all(isinstance(p, str) for p in head[:-1]) or "\0" in tail:
+        raise _Refuse(f"its files {decl.files.text!r} hold globs the output cannot name")
+    base = tail.rsplit(".", 1)[0] if "." in tail else tail
+    cap = parts[at]
+    assert isinstance(cap, A.Capture)
+    new_parts: tuple[A.PatPart, ...] = (
+        *head[:-1],
+        A.Capture(cap.name, "seg"),
+        base + ".safetensors",
+    )
+    text = pattern_text(new_parts)
+    files = A.FilePattern(text=text, parts=new_parts, loc=decl.loc)
+    return A.OutputDecl(
+        name=decl.name, files=files, count=A.Name(id=count_param(decl.name)), loc=decl.loc
+    )
+
+
+def _family_head(
+    p: A.Pattern, fams: frozenset[str]
+) -> tuple[str, A.PatPart, list[A.PatPart]] | None:
+    """``(family, rank, the rest)`` of a pattern ``"NAME:RANK:rest"`` that reads a member of
+    input family ``NAME`` (the rank a capture, or a literal number as a string); None for
+    any other pattern."""
+    parts = list(p.parts)
+    if not parts or not isinstance(parts[0], str) or ":" not in parts[0]:
+        return None
+    name, _, after = parts[0].partition(":")
+    if name not in fams:
+        return None
+    if after:  # a literal rank: "ranks:0:rest..."
+        rank, sep, rest = after.partition(":")
+        if not sep or not rank.isdigit():
+            return None
+        return name, rank, [rest, *parts[1:]] if rest else parts[1:]
+    if len(parts) < 3 or not isinstance(parts[1], A.Capture) or not isinstance(parts[2], str):
+        return None
+    if not parts[2].startswith(":"):
+        return None
+    tail = parts[2][1:]
+    return name, parts[1], [tail, *parts[3:]] if tail else parts[3:]
+
+
+def _invert_gather(r: A.Rule, fams: frozenset[str]) -> list[A.Rule] | None:
+    """The inverse of a rule that reads a family's members, or None for any other rule:
+
+    * ``merge "ranks:{r:int}:X" dim d -> "Y"`` (equal parts, one per rank) becomes
+      ``chunk "Y" dim d into ranks_count -> "ranks:{r}:X"``;
+    * ``rename "ranks:0:X" -> "Y"`` (a tensor every rank holds, taken from rank 0) becomes
+      ``rename "Y" -> "ranks:*:X"``, written into every member;
+    * ``drop "ranks:{r:int}:X"`` (the other ranks' copies of such a tensor) becomes nothing:
+      the ``*`` above writes them. A tensor dropped from every rank and taken from none does
+      not come back, which ``invert(..., check=)`` reports.
+    """
+    heads = [_family_head(p, fams) for p in r.patterns]
+    if not fams or not any(heads):
+        return None
+    if not all(heads):
+        raise _Refuse("it reads a family's members and other tensors together")
+    caps = {c.name: c for p in r.patterns for c in p.captures}
+    if r.op == "drop":
+        if any(not isinstance(h[1], A.Capture) for h in heads if h is not None):
+            raise _Refuse("dropped tensors of one rank cannot be brought back")
+        return []
+    family, rank, rest = heads[0]  # type: ignore[misc]
+    if r.op == "merge" and r.sizes is None and len(r.patterns) == 1:
+        if not isinstance(rank, A.Capture) or rank.name in template_names(r.outputs[0]):
+            raise _Refuse("only a merge over the rank capture (one part per rank) inverts")
+        new_p, subst = _to_pattern(r.outputs[0], caps)
+        member = _pattern([f"{family}:", rank, ":", *rest])
+        out = _to_template(member, {**subst, rank.name: A.Name(id=rank.name)})
+        where = _subst(r.where, subst, template_names(r.outputs[0])) if r.where else None
+        return [
+            A.Rule(op="chunk", optional=r.optional, patterns=(new_p,), outputs=(out,),
+                   dim=r.dim, parts=A.Name(id=count_param(family)), where=where, loc=r.loc)
+        ]  # fmt: skip
+    if r.op == "rename" and isinstance(rank, str) and rank.isdigit():
+        new_p, subst = _to_pattern(r.outputs[0], caps)
+        if set(caps) - template_names(r.outputs[0]):
+            raise _Refuse("the output drops a capture")
+        out = _to_template(_pattern([f"{family}:*:", *rest]), subst)
+        where = _subst(r.where, subst, set(caps)) if r.where is not None else None
+        return [dataclasses.replace(r, patterns=(new_p,), outputs=(out,), where=where)]
+    raise _Refuse(
+        "of the rules that read a family's members, only a merge over the rank capture, a "
+        "rename of one rank's tensor and a drop of the ranks' copies invert"
+    )
 
 
 def _invert_config_edit(st: A.CfgStmt) -> A.CfgStmt:
@@ -515,7 +638,10 @@ def _kind(st: A.Stmt) -> str:
 def invert_program(program: A.Program) -> A.Program:
     """The inverse program; MappingError listing every statement that does not invert."""
     problems: list[str] = []
-    stmts = _invert_stmts(program.stmts, problems, _makers(program.stmts) > 1)
+    fams = frozenset(
+        st.name for st in program.stmts if isinstance(st, A.InputDecl) and st.files is not None
+    )
+    stmts = _invert_stmts(program.stmts, problems, _makers(program.stmts) > 1, fams)
     if problems:
         raise MappingError("mapping is not invertible:\n  " + "\n  ".join(problems))
     return A.Program(version=program.version, stmts=stmts, file=program.file)
@@ -553,8 +679,12 @@ def round_trip_problems(plan: Plan, inverse: Mapping, limit: int = 20) -> list[s
     from weightmap.compiler.compile import compile_plan  # (compile imports this module's peers)
     from weightmap.inputs.diff import config_diff
 
+    params = plan.params
+    for decl in inverse.outputs:  # an inverted gather: as many ranks as the forward read
+        ranks = {s.name.split(":", 2)[1] for s in plan.inputs if s.name.startswith(f"{decl.name}:")}
+        params.setdefault(count_param(decl.name), len(ranks))
     try:
-        back = compile_plan(inverse, plan.output_specs(), plan.config, params=plan.params)
+        back = compile_plan(inverse, plan.output_specs(), plan.config, params=params)
     except MappingError as err:
         return [f"the inverse does not compile against the output: {err}"]
     want = {s.name: s for s in plan.inputs}

@@ -149,18 +149,38 @@ def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node
                 raise RuleProblem(
                     f"split sizes {sizes} (sum {sum(sizes)}) do not add up to dim {d} of {name}"
                 )
+        elif rule.parts is not None:
+            # `chunk ... into n -> "t"`: n pieces, each named by the template's one new name
+            # (the piece's index), as unstack names its slices: a scatter into ranks.
+            if len(rule.outputs) != 1:
+                raise RuleProblem(
+                    f"chunk ... into n names its pieces by one template with the index, e.g. "
+                    f'-> "out:{{r}}:{{x}}"; this one has {len(rule.outputs)}'
+                )
+            parts = as_int(evaluate(rule.parts, s), "into")
+            if not 1 <= parts <= MAX_PARTS:
+                raise RuleProblem(f"chunk into {parts} pieces: give 1 to {MAX_PARTS}")
+            if spec.shape[d] % parts:
+                raise RuleProblem(f"dim {d} of {name} does not divide into {parts} equal chunks")
+            sizes = [spec.shape[d] // parts] * parts
         else:
             parts = len(rule.outputs)
             if spec.shape[d] % parts:
                 raise RuleProblem(f"dim {d} of {name} does not divide into {parts} equal chunks")
             sizes = [spec.shape[d] // parts] * parts
+        if rule.parts is not None:
+            var = unstack_var(rule, set(m.caps), set(scope.params), "chunk ... into")
+            tmpl = namer(rule.outputs[0])
+            names = [tmpl(scope.with_tensor(spec, {**m.caps, var: i})) for i in range(parts)]
+        else:
+            names = [namer(t)(s) for t in rule.outputs]
         start = 0
         for i, size in enumerate(sizes):
             shape = (*spec.shape[:d], size, *spec.shape[d + 1 :])
             node = Slice(
                 dtype=spec.dtype, shape=shape, src=src, dim=d, start=start, stop=start + size
             )
-            emit(namer(rule.outputs[i])(s), node)
+            emit(names[i], node)
             start += size
     elif op == "unstack":
         d = norm_dim(as_int(evaluate(rule.dim, s), "dim") if rule.dim else 0, rank, name)
@@ -175,6 +195,10 @@ def build_simple(rule: A.Rule, m: Match, scope: Scope, emit: Callable[[str, Node
 
 
 _TEMPLATES: dict[int, tuple[A.Template, Callable[[Scope], str]]] = {}
+
+
+# Pieces of one `chunk ... into n`: as many as a family has members (compiler/outputs.py).
+MAX_PARTS = 4096
 
 
 def namer(t: A.Template) -> Callable[[Scope], str]:
@@ -292,12 +316,13 @@ def template_names(t: A.Template) -> set[str]:
     return out
 
 
-def unstack_var(rule: A.Rule, caps: set[str], params: set[str]) -> str:
-    """The one name in an unstack template that is neither a capture nor a param."""
+def unstack_var(rule: A.Rule, caps: set[str], params: set[str], what: str = "an unstack") -> str:
+    """The one name in an unstack (or ``chunk ... into``) template that is neither a capture
+    nor a param: the piece's index."""
     free = sorted(template_names(rule.outputs[0]) - caps - params)
     if len(free) != 1:
         raise RuleProblem(
-            "an unstack output needs exactly one new name for the index, e.g. "
+            f"{what} output needs exactly one new name for the index, e.g. "
             f'"experts.{{e}}.weight"; found {free or "none"}'
         )
     return free[0]

@@ -201,6 +201,7 @@ def plan_writer(
             origins=sources.origins,
             inputs=files,
             layout=layout,
+            members=plan.members(),
         )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)

@@ -5,8 +5,9 @@ input) and the side files. ``api.verify`` and ``remap(verify=True)`` both come h
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from weightmap.execute.sidefiles import check_side_files
 from weightmap.execute.streaming import check_inputs, crc_of_ranges, descriptors
 from weightmap.fs.fdlimit import make_room
 from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.join import join
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
@@ -29,10 +31,38 @@ def check_output(
 ) -> list[str]:
     """The tensors and config of ``dest`` against the plan and checksums; its side files
     against the plan and, given ``files_root``, the input's files."""
-    with Checkpoint.open(dest) as ckpt, descriptors() as fds:
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(_open_written(dest, plan))
+        fds = stack.enter_context(descriptors())
         make_room(len(ckpt.files))
         problems = differences(plan, ckpt, checksums, fds)
     return problems + check_side_files(plan.files, dest, files_root)
+
+
+@contextlib.contextmanager
+def _open_written(dest: Path, plan: Plan) -> Iterator[Checkpoint]:
+    """The written output as one checkpoint: its main checkpoint (none where every tensor
+    went into an output family's files) and each family member's file, its tensors under the
+    member's prefix, as the plan names them."""
+    members = plan.members()
+    if not members:
+        with Checkpoint.open(dest) as ckpt:
+            yield ckpt
+        return
+    prefixes = tuple(prefix for prefix, _ in members)
+    has_main = any(not o.name.startswith(prefixes) for o in plan.outputs)
+    main = Checkpoint.open(dest) if has_main else Checkpoint.empty(dest)
+    parts: list[tuple[str, Checkpoint]] = []
+    try:
+        for prefix, filename in members:
+            parts.append((prefix, Checkpoint.open(dest / filename, rank_file=True)))
+        joined = join(main, parts, tuple(f.name for f in plan.families))
+        with joined:
+            yield joined
+    finally:
+        for _, part in parts:
+            part.close()
+        main.close()
 
 
 def crc(t: torch.Tensor) -> int:

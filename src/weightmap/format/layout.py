@@ -42,6 +42,7 @@ __all__ = [
     "check_layout",
     "parse_size",
     "plan_layout",
+    "plan_members",
     "plan_shards",
 ]
 
@@ -206,6 +207,10 @@ class Offsets(Mapping[str, tuple[int, int]]):
     def items(self) -> ItemsView[str, tuple[int, int]]:
         """The ``(name, (begin, end))`` pairs in file order, made as they are read."""
         return _OffsetItems(self)
+
+    def prefixed(self, prefix: str) -> Offsets:
+        """The same offsets, every name with ``prefix`` before it."""
+        return Offsets([prefix + n for n in self._names], self._bounds)
 
     def __repr__(self) -> str:
         return f"Offsets({dict(self.items())!r})"
@@ -430,6 +435,62 @@ def plan_layout(
         shards.append(ShardPlan(name, header, offsets, base + sum(sizes)))
         copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
     return Layout(tuple(shards), tuple(copies))
+
+
+# A member file holds one rank whole, as Meta's consolidated.NN.pth do: no size splits it.
+_WHOLE = 2**62
+
+
+def plan_members(
+    specs: Sequence[TensorSpec],
+    members: Sequence[tuple[str, str]],
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+    origins: Mapping[str, Origin] | None = None,
+    layout: Layouts = "clone",
+) -> tuple[Layout, int]:
+    """:func:`plan_layout`, with the tensors whose names start with a member's prefix
+    (``(prefix, file name)``, ``out:3:``) written into that member's one file without it.
+
+    Returns the layout and how many of its shards are the main checkpoint's (they come
+    first; the index lists those only). The main checkpoint gets no file when every tensor
+    is a member's. A member is laid out as ``layout`` says when that keeps it one file, and
+    as the reference writer lays out one file otherwise.
+    """
+    if not members:
+        planned = plan_layout(specs, max_shard_size, metadata, origins, layout)
+        return planned, len(planned.shards)
+    origins = origins or {}
+    if isinstance(origins, WholeOrigins):
+        origins = origins.as_dict()
+    groups: dict[str, list[TensorSpec]] = {prefix: [] for prefix, _ in members}
+    main: list[TensorSpec] = []
+    for spec in specs:
+        name = spec.name
+        second = name.find(":", name.find(":") + 1)
+        group = groups.get(name[: second + 1]) if second > 0 else None
+        (main if group is None else group).append(spec)
+    shards: list[ShardPlan] = []
+    copies: list[Copy] = []
+    if main:
+        planned = plan_layout(main, max_shard_size, metadata, origins, layout)
+        shards += planned.shards
+        copies += planned.copies
+    n_main = len(shards)
+    for prefix, filename in members:
+        cut = len(prefix)
+        own = [TensorSpec(s.name[cut:], s.dtype, s.shape) for s in groups[prefix]]
+        mine = {s.name[cut:]: origins[s.name] for s in groups[prefix] if s.name in origins}
+        planned = plan_layout(own, _WHOLE, metadata, mine, layout)
+        if len(planned.shards) > 1:  # (the clone layout keeps each input file's bytes apart)
+            planned = plan_layout(own, _WHOLE, metadata, mine, "reference")
+        (shard,) = planned.shards
+        offsets = shard.offsets
+        assert isinstance(offsets, Offsets)
+        index = len(shards)
+        shards.append(ShardPlan(filename, shard.header, offsets.prefixed(prefix), shard.size))
+        copies += [c._replace(shard=index) for c in planned.copies]
+    return Layout(tuple(shards), tuple(copies)), n_main
 
 
 # One shard laid out: its padded header JSON, its tensors in file order with their sizes, and

@@ -34,7 +34,7 @@ from weightmap.format.layout import (
     Layouts,
     Origin,
     aligned_middle,
-    plan_layout,
+    plan_members,
 )
 from weightmap.format.transfer import (
     clone,
@@ -198,7 +198,9 @@ class CheckpointWriter:
     """Write a checkpoint into ``dest`` atomically.
 
     Use as a context manager: on a clean exit the output is committed (moved into place); on an
-    exception everything temporary is removed and ``dest`` is left as it was.
+    exception everything temporary is removed and ``dest`` is left as it was. ``members``
+    (``(name prefix, file name)``, see ``layout.plan_members``) puts the tensors named with a
+    prefix into a file of their own, committed with the rest.
 
     >>> specs = [TensorSpec("w", "F32", (2,))]
     >>> with CheckpointWriter(tmp / "out", specs) as w:       # doctest: +SKIP
@@ -218,6 +220,7 @@ class CheckpointWriter:
         origins: Mapping[str, Origin] | None = None,
         inputs: Sequence[str | os.PathLike[str]] = (),
         layout: Layouts = "clone",
+        members: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.dest = destination_path(Path(dest))
         if len({s.name for s in specs}) != len(specs):
@@ -227,11 +230,14 @@ class CheckpointWriter:
         check_destination(self.dest, overwrite, protect)
         self.overwrite = overwrite
         self.config = None if config is None else dict(config)
-        planned = plan_layout(specs, max_shard_size, metadata, origins, layout)
+        planned, self._main = plan_members(
+            specs, members, max_shard_size, metadata, origins, layout
+        )
         self.shards = list(planned.shards)
         self.copies = planned.copies
         self._inputs = [Path(p) for p in inputs]
-        self._total = sum(s.size - len(s.header) for s in self.shards)
+        # (The index lists the main checkpoint's shards, which come first; not the members'.)
+        self._total = sum(s.size - len(s.header) for s in self.shards[: self._main])
         # name -> (shard idx, begin, end), for the tensors written by name: made on the first
         # such write, as a conversion that only moves input bytes never asks.
         self._where_map: dict[str, tuple[int, int, int]] | None = None
@@ -499,10 +505,10 @@ class CheckpointWriter:
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
-                if len(self.shards) > 1:
+                if self._main > 1:
                     # Shard by shard at C speed: an index lists every tensor.
                     weight_map: dict[str, str] = {}
-                    for shard in self.shards:
+                    for shard in self.shards[: self._main]:
                         weight_map.update(dict.fromkeys(shard.offsets, shard.filename))
                     parts = _index_parts(self._total, weight_map, _INDEX_LINES)
                     self._write_small(INDEX_NAME, map(str.encode, parts))

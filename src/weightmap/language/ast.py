@@ -46,6 +46,7 @@ __all__ = [
     "Lit",
     "Loc",
     "Name",
+    "OutputDecl",
     "Param",
     "Pattern",
     "Program",
@@ -346,7 +347,8 @@ class Rule:
     ``value``, ``block``, ``compute``: add/sub/mul (``block`` also quantize, ``compute`` also
     matmul); ``size``, ``plus_index``: mask; ``dim`` also gather/unpack/pack, with ``bits`` and
     ``order`` for unpack/pack; ``value`` also clamp (``[low, high]``); ``dim``, ``group`` the
-    reductions (amax, amin, sum; ``compute`` and ``to_dtype`` also sum).
+    reductions (amax, amin, sum; ``compute`` and ``to_dtype`` also sum); ``parts``: a chunk
+    into a number of pieces named by one template's new index (``chunk ... into n``).
     """
 
     op: RuleOp
@@ -370,6 +372,7 @@ class Rule:
     bits: Expr | None = None
     order: Expr | None = None
     group: Expr | None = None
+    parts: Expr | None = None
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
@@ -498,6 +501,19 @@ class InputDecl:
     loc: Loc = field(default=NOWHERE, compare=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class OutputDecl:
+    """``output NAME files "PATTERN" count N``: a family of files written into the output
+    folder, one per rank: the output tensors named ``NAME:RANK:tensor`` go into member
+    ``RANK`` as ``tensor`` (the pattern's one capture spelled as the rank, zero-padded).
+    """
+
+    name: str
+    files: FilePattern
+    count: Expr
+    loc: Loc = field(default=NOWHERE, compare=False)
+
+
 Stmt = Union[  # noqa: UP007
     Param,
     Include,
@@ -510,6 +526,7 @@ Stmt = Union[  # noqa: UP007
     FilesBlock,
     ConfigFrom,
     InputDecl,
+    OutputDecl,
 ]
 
 

@@ -71,6 +71,12 @@ class Mapping:
         the caller binds (``remap(..., inputs={"adapter": path})``, ``--input NAME=PATH``)."""
         return tuple(st for st in self.program.stmts if isinstance(st, A.InputDecl))
 
+    @property
+    def outputs(self) -> tuple[A.OutputDecl, ...]:
+        """The families of files the mapping writes besides the main checkpoint (``output
+        NAME files "PATTERN" count N``): the tensors it names ``NAME:RANK:tensor``."""
+        return tuple(st for st in self.program.stmts if isinstance(st, A.OutputDecl))
+
 
 # A mapping is a few kilobytes. Everything parsed for one mapping (its own text and every
 # include, counted each time it is expanded) is bounded: parsing 1 MB takes seconds and about
@@ -291,6 +297,19 @@ def _relative_file_problem(file: str) -> bool:
     )
 
 
+def _name_problem(
+    kind: str, name: str, loc: A.Loc, found: dict[str, Any], params: dict[str, Any]
+) -> str | None:
+    """Why an ``input``/``output`` declaration's name cannot be its name: declared before,
+    or a param's or a built-in name, which expressions would read instead."""
+    if name in found:
+        return f"{loc}: {kind} {name!r} is declared twice (first at {found[name].loc})"
+    if name in params or name in TENSOR_NAMES or resolve_dtype(name):
+        what = "a param's" if name in params else "a built-in"
+        return f"{loc}: {kind} {name!r} takes {what} name; rename it"
+    return None
+
+
 def _check_inputs(stmts: tuple[A.Stmt, ...], params: dict[str, Any]) -> tuple[A.InputDecl, ...]:
     """The ``input`` declarations, each checked: a new name, a family pattern of one file
     name with one capture, a config file inside the input's folder."""
@@ -299,14 +318,9 @@ def _check_inputs(stmts: tuple[A.Stmt, ...], params: dict[str, Any]) -> tuple[A.
     for st in stmts:
         if not isinstance(st, A.InputDecl):
             continue
-        if st.name in found:
-            problems.append(
-                f"{st.loc}: input {st.name!r} is declared twice (first at {found[st.name].loc})"
-            )
-            continue
-        if st.name in params or st.name in TENSOR_NAMES or resolve_dtype(st.name):
-            what = "a param's" if st.name in params else "a built-in"
-            problems.append(f"{st.loc}: input {st.name!r} takes {what} name; rename it")
+        why = _name_problem("input", st.name, st.loc, found, params)
+        if why:
+            problems.append(why)
             continue
         found[st.name] = st
         if st.files is not None:
@@ -325,6 +339,56 @@ def _check_inputs(stmts: tuple[A.Stmt, ...], params: dict[str, Any]) -> tuple[A.
     if problems:
         raise MappingError("\n".join(problems))
     return tuple(found.values())
+
+
+# What an output family's members are: safetensors files (one per rank, beside the main
+# checkpoint's files in the output folder).
+OUTPUT_SUFFIX = ".safetensors"
+
+
+def _check_outputs(
+    stmts: tuple[A.Stmt, ...], params: dict[str, Any], inputs: tuple[A.InputDecl, ...]
+) -> None:
+    """The ``output`` declarations, each checked: a new name (no param's, built-in's or
+    input's), and a pattern that names one ``.safetensors`` file of the output folder by one
+    capture, the rank, so that a mapping cannot write outside the folder it is given."""
+    found: dict[str, A.OutputDecl] = {}
+    taken = {i.name for i in inputs}
+    problems = []
+    for st in stmts:
+        if not isinstance(st, A.OutputDecl):
+            continue
+        why = _name_problem("output", st.name, st.loc, found, params)
+        if why:
+            problems.append(why)
+            continue
+        if st.name in taken:
+            problems.append(
+                f"{st.loc}: output {st.name!r} has the name of an input: an input's tensors "
+                f"are read as {st.name}:..., so give the output another name"
+            )
+            continue
+        found[st.name] = st
+        caps = st.files.captures
+        text = st.files.text
+        literal = "".join(p for p in st.files.parts if isinstance(p, str))
+        if (
+            len(caps) != 1
+            or caps[0].kind not in ("seg", "int")
+            or not text.endswith(OUTPUT_SUFFIX)
+            or any(not isinstance(p, (str, A.Capture)) for p in st.files.parts)
+            or _relative_file_problem(literal or "x")
+            or "/" in text
+            or "{{" in text
+            or "}}" in text
+        ):
+            problems.append(
+                f"{st.loc}: `output {st.name} files {text[:80]!r}`: name one .safetensors "
+                "file of the output folder by one capture for the rank, e.g. "
+                'files "consolidated.{rank}.safetensors"'
+            )
+    if problems:
+        raise MappingError("\n".join(problems))
 
 
 def _scope_patterns(node: Any, names: tuple[str, ...]) -> Any:
@@ -355,6 +419,7 @@ def from_program(name: str, text: str, program: A.Program, base: Path | None = N
     _check_config_from(stmts)
     values, locs = _params(stmts)
     inputs = _check_inputs(stmts, values)
+    _check_outputs(stmts, values, inputs)
     if inputs:
         stmts = _scope_patterns(stmts, tuple(i.name for i in inputs))
     program = A.Program(version=program.version, stmts=stmts, file=program.file)

@@ -323,6 +323,13 @@ class _Builder:
                 else:
                     config_file = self.string(x.children[0])
             return A.InputDecl(name=str(c[0]), files=files, config_file=config_file, loc=loc)
+        if kind == "output_decl":
+            return A.OutputDecl(
+                name=str(c[0]),
+                files=self.file_pattern(c[1]),
+                count=self.expr(c[2], loc),
+                loc=loc,
+            )
         if kind == "files_block":
             return A.FilesBlock(stmts=tuple(self.file_rule(x) for x in c), loc=loc)
         return self.rule(t)
@@ -412,7 +419,7 @@ class _Builder:
             elif x.data == "from_shape":
                 fields["from_shape"] = self.expr(x.children[0], loc)
             elif x.data in ("sizes", "dim", "dims", "where", "value", "block", "bits", "order",
-                            "group"):  # fmt: skip
+                            "group", "parts"):  # fmt: skip
                 fields[str(x.data)] = self.expr(x.children[0], loc)
             elif x.data == "reduce_dim":  # a reduction's dim: an arithmetic expression
                 fields["dim"] = self.expr(x.children[0], loc)

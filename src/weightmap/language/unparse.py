@@ -16,7 +16,7 @@ _WORDS = (
     "matmul gather lookup unpack pack bits order round floor ceil clamp amax amin sum group "
     "index dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error "
-    "files file"
+    "files file input output count into"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
@@ -172,6 +172,8 @@ def _rule(r: A.Rule) -> str:
         value = getattr(r, key)
         if value is not None:
             words.append(f"{key} {unparse_expr(value)}")
+    if r.parts is not None:
+        words.append(f"into {unparse_expr(r.parts)}")
     for key in ("bits", "order"):  # read at the `+`/`-` level, as values are
         value = getattr(r, key)
         if value is not None:
@@ -240,6 +242,8 @@ def _stmt(st: A.Stmt, ind: str) -> list[str]:
         files = f" files {_s(st.files.text)}" if st.files is not None else ""
         config = f" config from {_s(st.config_file)}" if st.config_file is not None else ""
         return [f"{ind}input {st.name}{files}{config}"]
+    if isinstance(st, A.OutputDecl):
+        return [f"{ind}output {st.name} files {_s(st.files.text)} count {unparse_expr(st.count)}"]
     if isinstance(st, A.FilesBlock):
         return [f"{ind}files {{", *(f"{ind}    {_file(x)}" for x in st.stmts), f"{ind}}}"]
     if isinstance(st, A.ConfigBlock):

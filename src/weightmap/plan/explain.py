@@ -33,7 +33,7 @@ from weightmap.plan.nodes import (
     Stack,
     Unpack,
 )
-from weightmap.plan.parts import Dropped, OutputTensor, SideFile
+from weightmap.plan.parts import Dropped, OutputFamily, OutputTensor, SideFile
 
 __all__ = ["Explainable", "config_diff", "explain", "natural_key", "side_files"]
 
@@ -56,6 +56,8 @@ class Explainable(Protocol):
     def warnings(self) -> Sequence[str]: ...
     @property
     def files(self) -> Sequence[SideFile]: ...
+    @property
+    def families(self) -> Sequence[OutputFamily]: ...
     @property
     def params(self) -> dict[str, Any]: ...
     @property
@@ -189,6 +191,7 @@ def explain(plan: Explainable, limit: int | None = None) -> str:
         w1 = max(len(r[1]) for r in rows)
         lines += [f"  {a:<{w0}}  -> {b:<{w1}} -> {c}" for a, b, c in rows]
     lines += _more(len(plan.outputs), limit, "outputs")
+    lines += _families(plan)
     for d in _listed(plan.dropped, limit):
         lines.append(f"  dropped {one_line(d.name)}  ({d.origin})")
     lines += _more(len(plan.dropped), limit, "dropped inputs")
@@ -200,6 +203,17 @@ def explain(plan: Explainable, limit: int | None = None) -> str:
         lines.append("config.json:")
         lines += [f"  {x}" for x in diff]
     return "\n".join(lines)
+
+
+def _families(plan: Explainable) -> list[str]:
+    """One line per output family: the files its members are written to."""
+    lines = []
+    for f in plan.families:
+        files = f.filename(0) if f.count == 1 else f"{f.filename(0)} .. {f.filename(f.count - 1)}"
+        lines.append(
+            f"output family {f.name}: {f.name}:RANK:NAME -> NAME in {files} ({f.count} file(s))"
+        )
+    return lines
 
 
 def _more(count: int, limit: int | None, what: str) -> list[str]:

@@ -105,6 +105,48 @@ _set_spec = slot_setter(OutputTensor, "_spec")
 
 
 @dataclass(frozen=True, kw_only=True)
+class OutputFamily:
+    """A family of files written into the output folder (``output NAME files ... count N``):
+    the output tensors named ``NAME:RANK:tensor`` go into member ``RANK``, under ``tensor``.
+
+    A member's file name is the pattern's text around its one capture (``before``,
+    ``after``) with the rank between, zero-padded to at least two digits (Meta's
+    ``consolidated.07``, Megatron's ``mp_rank_07``) and to as many as the last rank has.
+    """
+
+    name: str
+    before: str
+    after: str
+    count: int
+
+    @property
+    def width(self) -> int:
+        """The digits of every member's rank in its file name."""
+        return max(2, len(str(self.count - 1)))
+
+    def prefix(self, rank: int) -> str:
+        """The name prefix of member ``rank``'s tensors (``out:3:``)."""
+        return f"{self.name}:{rank}:"
+
+    def filename(self, rank: int) -> str:
+        """Member ``rank``'s file name in the output folder."""
+        return f"{self.before}{rank:0{self.width}d}{self.after}"
+
+    def members(self) -> list[tuple[str, str]]:
+        """``(prefix, file name)`` of every member, by rank."""
+        return [(self.prefix(r), self.filename(r)) for r in range(self.count)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (see :meth:`from_dict`)."""
+        return {"name": self.name, "before": self.before, "after": self.after, "count": self.count}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OutputFamily:
+        """Rebuild a family written by :meth:`to_dict`."""
+        return cls(name=d["name"], before=d["before"], after=d["after"], count=d["count"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Dropped:
     """An input deliberately left out, and the rule (or ``unmatched drop``) that dropped it."""
 

@@ -16,9 +16,16 @@ from weightmap.format.text import same_json
 from weightmap.fs.gcpause import gc_paused
 from weightmap.plan.explain import explain
 from weightmap.plan.nodes import Source, node_from_dict, node_to_dict
-from weightmap.plan.parts import Dropped, OutputTensor, SideFile, loc_dict, loc_from_dict
+from weightmap.plan.parts import (
+    Dropped,
+    OutputFamily,
+    OutputTensor,
+    SideFile,
+    loc_dict,
+    loc_from_dict,
+)
 
-__all__ = ["PLAN_FORMAT", "Dropped", "OutputTensor", "Plan", "SideFile"]
+__all__ = ["PLAN_FORMAT", "Dropped", "OutputFamily", "OutputTensor", "Plan", "SideFile"]
 
 PLAN_FORMAT = 1
 
@@ -45,6 +52,8 @@ class Plan:
     config_json: str | None = None
     input_config_json: str | None = None
     files: tuple[SideFile, ...] = ()
+    # The families of files written beside the main checkpoint (``output NAME ...``).
+    families: tuple[OutputFamily, ...] = ()
     # Caches filled on first use; not init fields, so dataclasses.replace never carries one
     # over to a plan with other outputs.
     _by_name: dict[str, OutputTensor] = field(
@@ -67,6 +76,7 @@ class Plan:
         config: Any = None,
         input_config: Any = None,
         files: tuple[SideFile, ...] = (),
+        families: tuple[OutputFamily, ...] = (),
     ) -> Plan:
         """Make a plan from Python values (JSON-serializable config and params)."""
         return cls(
@@ -79,6 +89,7 @@ class Plan:
             config_json=_json_or_none(config),
             input_config_json=_json_or_none(input_config),
             files=files,
+            families=families,
         )
 
     @property
@@ -122,6 +133,11 @@ class Plan:
                 self._specs.append(tuple(o.spec for o in self.outputs))
         return self._specs[0]
 
+    def members(self) -> list[tuple[str, str]]:
+        """``(name prefix, file name)`` of every file the output families write, the
+        tensors named with the prefix going into that file without it."""
+        return [m for family in self.families for m in family.members()]
+
     def output(self, name: str) -> OutputTensor:
         """The output tensor called ``name`` (KeyError if none)."""
         if not self._by_name:
@@ -148,6 +164,8 @@ class Plan:
         }
         if self.files:
             d["files"] = [f.to_dict() for f in self.files]
+        if self.families:
+            d["output_families"] = [f.to_dict() for f in self.families]
         return d
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -178,6 +196,7 @@ class Plan:
             config=d["config"],
             input_config=d["input_config"],
             files=tuple(SideFile.from_dict(f) for f in d.get("files", ())),
+            families=tuple(OutputFamily.from_dict(f) for f in d.get("output_families", ())),
         )
 
     @classmethod
