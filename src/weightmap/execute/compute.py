@@ -154,6 +154,7 @@ class Computer:
             self._copy_into(out, src)
             if how == "settle":
                 settle(out, src)
+            self._release_early(seen)
             return _memory(out)
         if isinstance(node, Concat):
             # Joined straight into the thread's buffer (the ranks of a tensor-parallel
@@ -169,13 +170,24 @@ class Computer:
             shape[dim] = stop - start
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(shape))
             torch.cat(pieces, node.dim, out=out)
+            del pieces
+            self._release_early(seen)
             return _memory(out)
         part = region(node, dim, start, stop, self.ckpt.view, name, seen)
         if part.is_contiguous():
-            return _memory(part)
+            return _memory(part)  # (a view of the input: released once it is written)
         out = self._buffer(part.dtype, tuple(part.shape))
         self._copy_into(out, part)
+        del part
+        self._release_early(seen)
         return _memory(out)
+
+    def _release_early(self, seen: list[tuple[str, torch.Tensor]]) -> None:
+        """Unmap the input a chunk read as soon as its values are in the thread's buffer,
+        rather than after the buffer is written: the write takes as long as the read, and
+        eight ranks' worth of mapped pages per thread would otherwise wait through it."""
+        self._release(seen)
+        seen.clear()
 
     def _copy_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
         """``out.copy_(src)``; a transposed view is first gathered in its own memory order.
