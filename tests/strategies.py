@@ -938,6 +938,7 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
                 "split",
                 "chunk",
                 "chunk_into",
+                "same",
                 "merge",
                 "stack",
                 "unstack",
@@ -976,6 +977,11 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
             {f"{p}.fused": draw(tensor(shape, code))},
             f'chunk "{p}.fused" dim {d} into {k} -> "{p}.r{{i}}"',
         )
+    if op == "same":  # one tensor every member holds (a norm on every tensor-parallel rank)
+        t = draw(tensor(shape, code))
+        k = draw(st.integers(1, 3))
+        inputs = {f"{p}.r.{i}.w": t.clone() for i in range(k)}
+        return inputs, f'merge "{p}.r.{{i:int}}.w" same -> "{p}.w"'
     if op == "merge":
         widths = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(2, 3)))]
         inputs = {}

@@ -73,8 +73,37 @@ def test_meta_ranks_plan_names_the_ranks(tmp_path: Path) -> None:
     plan = weightmap.compile(folder, preset="llama-meta-ranks-to-hf", params={"version": "3"})
     sources = {s.name for o in plan.outputs for s in o.node.sources()}
     assert "ranks:1:layers.0.attention.wq.weight" in sources
-    assert "ranks:0:norm.weight" in sources and "ranks:1:norm.weight" not in sources
+    # The norms every rank holds are read from each rank, to check they are the same.
+    assert "ranks:0:norm.weight" in sources and "ranks:1:norm.weight" in sources
     assert "ranks:0:layers.0.feed_forward.w2.weight BF16[64, 112] (+1 more)" in plan.explain()
+    assert "same bytes in all 2" in plan.explain()
+    rank0 = weightmap.compile(
+        folder,
+        preset="llama-meta-ranks-to-hf",
+        params={"version": "3", "check_replicas": False},
+    )
+    sources = {s.name for o in rank0.outputs for s in o.node.sources()}
+    assert "ranks:0:norm.weight" in sources and "ranks:1:norm.weight" not in sources
+
+
+def test_replicas_that_differ_stop_the_run(tmp_path: Path) -> None:
+    folder, per = meta_ranks(tmp_path, "3", 2)
+    per[1]["layers.1.ffn_norm.weight"][3] += 1
+    torch.save(per[1], folder / "consolidated.01.pth")
+    how: dict[str, Any] = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
+    message = "ranks:1:layers.1.ffn_norm.weight holds other bytes than ranks:0:layers.1.ffn_norm"
+    with pytest.raises(weightmap.errors.ExecutionError, match=message):
+        weightmap.remap(folder, tmp_path / "out", progress=False, **how)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(weightmap.errors.ExecutionError, match=message):
+        dict(weightmap.iter_tensors(folder, **how))
+    # write_model's way: rank 0's, the others unread.
+    how["params"]["check_replicas"] = False
+    weightmap.remap(folder, tmp_path / "out", progress=False, **how)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(
+        got["model.layers.1.post_attention_layernorm.weight"], per[0]["layers.1.ffn_norm.weight"]
+    )
 
 
 def test_meta_ranks_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -360,3 +360,29 @@ def test_what_a_gather_loses_is_said(tmp_path: Path) -> None:
     one = 'weightmap 1\ninput ranks files "s.{r}.pth"\ndrop "ranks:0:x"\nunmatched keep'
     with pytest.raises(MappingError, match="dropped tensors of one rank"):
         weightmap.invert(one)
+
+
+def test_a_checked_replica_inverts_into_every_rank(tmp_path: Path) -> None:
+    per = _sharded(tmp_path / "src", 2)
+    checked = GATHER.replace(
+        'rename "ranks:0:norm" -> "norm"\ndrop? "ranks:{r:int}:norm"\n',
+        'merge "ranks:{r:int}:norm" same -> "norm"\n',
+    )
+    assert "same" in checked
+    mapping = weightmap.load_mapping(checked)
+    weightmap.remap(tmp_path / "src", tmp_path / "full", mapping=mapping, progress=False)
+    inverse = weightmap.invert(mapping, check=tmp_path / "src")
+    assert 'rename "norm" -> "ranks:*:norm"' in inverse.text
+    back = tmp_path / "back"
+    weightmap.remap(tmp_path / "full", back, mapping=inverse, params={"ranks_count": 2})
+    for r in range(2):
+        _same(load_file(back / f"shard.{r:02d}.safetensors"), per[r])
+
+
+def test_merge_same_is_checked_at_compile_time(small: Path) -> None:
+    mapping = 'weightmap 1\nmerge "{x:a,b}.weight" same -> "w"\nunmatched keep\n'
+    with pytest.raises(CompileError, match=r"members of `merge \.\.\. same` differ in shape"):
+        weightmap.compile(small, mapping=mapping)
+    plain = 'weightmap 1\nmerge "{p:a,b}.weight" same -> "w"\nunmatched keep\n'
+    with pytest.raises(MappingError, match="inverts over a family's ranks only"):
+        weightmap.invert(plain)

@@ -31,7 +31,7 @@ from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
 from weightmap.language.expr import compile_template
 from weightmap.language.values import Scope, show
-from weightmap.plan.nodes import Concat, Node, Stack
+from weightmap.plan.nodes import Concat, Node, Same, Stack
 
 __all__ = ["Members", "build_group", "members_of"]
 
@@ -318,6 +318,10 @@ def _node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str, Any]
         )
         shape = (*first.shape[:d], len(specs), *first.shape[d:])
         return Stack(dtype=first.dtype, shape=shape, srcs=srcs, dim=d)
+    if rule.same:  # one tensor every member holds: checked to be the same as it is written
+        if len(set(map(_SHAPE, specs))) > 1:
+            raise RuleProblem(f"members of `merge ... same` differ in shape: {_listing(specs)}")
+        return Same(dtype=first.dtype, shape=first.shape, srcs=srcs)
     d = norm_dim(as_int(evaluate(rule.dim, s), "dim"), len(first.shape), f"`{first.name}`")  # type: ignore[arg-type]
     rest = {x.shape[:d] + x.shape[d + 1 :] for x in specs}
     if len(rest) > 1 or len({len(x.shape) for x in specs}) > 1:

@@ -320,6 +320,10 @@ def _invert_group(r: A.Rule, caps: dict[str, A.Capture]) -> A.Rule:
         out = _to_template(r.patterns[0], {**subst, var: A.Name(id=var)})
         return A.Rule(op="unstack", optional=r.optional, patterns=(new_p,), dim=r.dim,
                       outputs=(out,), where=where, loc=r.loc)  # fmt: skip
+    if r.same:
+        raise _Refuse(
+            "`merge ... same` inverts over a family's ranks only (to a rename into every rank)"
+        )
     if r.sizes is None:
         raise _Refuse("merge needs `sizes [...]` to know where to split again")
     members: list[A.Pattern] = list(r.patterns)
@@ -532,7 +536,8 @@ def _invert_gather(r: A.Rule, fams: frozenset[str]) -> list[A.Rule] | None:
 
     * ``merge "ranks:{r:int}:X" dim d -> "Y"`` (equal parts, one per rank) becomes
       ``chunk "Y" dim d into ranks_count -> "ranks:{r}:X"``;
-    * ``rename "ranks:0:X" -> "Y"`` (a tensor every rank holds, taken from rank 0) becomes
+    * ``rename "ranks:0:X" -> "Y"`` (a tensor every rank holds, taken from rank 0), and
+      ``merge "ranks:{r:int}:X" same -> "Y"`` (the same, checked), become
       ``rename "Y" -> "ranks:*:X"``, written into every member;
     * ``drop "ranks:{r:int}:X"`` (the other ranks' copies of such a tensor) becomes nothing:
       the ``*`` above writes them. A tensor dropped from every rank and taken from none does
@@ -549,6 +554,14 @@ def _invert_gather(r: A.Rule, fams: frozenset[str]) -> list[A.Rule] | None:
             raise _Refuse("dropped tensors of one rank cannot be brought back")
         return []
     family, rank, rest = heads[0]  # type: ignore[misc]
+    if r.op == "merge" and r.same and len(r.patterns) == 1:
+        if not isinstance(rank, A.Capture) or rank.name in template_names(r.outputs[0]):
+            raise _Refuse("only a `merge ... same` over the rank capture inverts")
+        new_p, subst = _to_pattern(r.outputs[0], caps)
+        out = _to_template(_pattern([f"{family}:*:", *rest]), subst)
+        where = _subst(r.where, subst, template_names(r.outputs[0])) if r.where else None
+        return [A.Rule(op="rename", optional=r.optional, patterns=(new_p,), outputs=(out,),
+                       where=where, loc=r.loc)]  # fmt: skip
     if r.op == "merge" and r.sizes is None and len(r.patterns) == 1:
         if not isinstance(rank, A.Capture) or rank.name in template_names(r.outputs[0]):
             raise _Refuse("only a merge over the rank capture (one part per rank) inverts")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from weightmap.execute import values
-from weightmap.execute.kernels import cast, evaluate
+from weightmap.execute.kernels import cast, evaluate, same
 from weightmap.format.dtypes import DTYPES, numel
 from weightmap.plan.nodes import (
     Arith,
@@ -29,6 +29,7 @@ from weightmap.plan.nodes import (
     Reduce,
     Reshape,
     Round,
+    Same,
     Slice,
     Source,
     Stack,
@@ -74,6 +75,8 @@ def region(
         return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         return torch.cat(concat_pieces(node, dim, start, stop, sub), node.dim)
+    if isinstance(node, Same):  # each member's region, compared; the first's written
+        return same([sub(s, dim, start, stop) for s in node.srcs], node, where)
     if isinstance(node, Stack):
         if dim == node.dim:
             return torch.stack([evaluate(s, get, where) for s in node.srcs[start:stop]], dim)

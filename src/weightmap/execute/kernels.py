@@ -7,7 +7,7 @@ tensors, and the tests compare the two bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from weightmap.errors import ExecutionError
@@ -31,6 +31,7 @@ from weightmap.plan.nodes import (
     Reduce,
     Reshape,
     Round,
+    Same,
     Slice,
     Source,
     Stack,
@@ -95,6 +96,27 @@ def _whole_range(t: torch.Tensor, src: str, dst: str, where: str) -> tuple[int, 
     return int(wide.min()), int(wide.max())
 
 
+def same(tensors: Sequence[torch.Tensor], node: Same, where: str) -> torch.Tensor:
+    """The first of ``tensors``, once every other holds the same bytes (``merge ... same``);
+    ExecutionError naming the first member that differs. Bytes, not values: ``-0.0`` is not
+    ``0.0``, and a NaN equals a NaN of the same bits."""
+    import torch
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    first = raw(tensors[0])
+    for src, t in zip(node.srcs[1:], tensors[1:], strict=True):
+        if not torch.equal(raw(t), first):
+            raise ExecutionError(
+                f"{where}: {src.describe()} holds other bytes than {node.srcs[0].describe()}, "
+                "which `merge ... same` takes as one tensor every member holds whole; the "
+                "members come from different checkpoints, or the tensor is split, not "
+                "replicated (merge it along its dim)"
+            )
+    return tensors[0]
+
+
 def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") -> torch.Tensor:
     """The tensor a node produces, given ``get(name)`` for its input tensors."""
     import torch
@@ -111,6 +133,8 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
         return evaluate(node.src, get, where).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         return torch.cat([evaluate(s, get, where) for s in node.srcs], node.dim)
+    if isinstance(node, Same):
+        return same([evaluate(s, get, where) for s in node.srcs], node, where)
     if isinstance(node, Stack):
         return torch.stack([evaluate(s, get, where) for s in node.srcs], node.dim)
     if isinstance(node, Permute):

@@ -348,7 +348,8 @@ class Rule:
     matmul); ``size``, ``plus_index``: mask; ``dim`` also gather/unpack/pack, with ``bits`` and
     ``order`` for unpack/pack; ``value`` also clamp (``[low, high]``); ``dim``, ``group`` the
     reductions (amax, amin, sum; ``compute`` and ``to_dtype`` also sum); ``parts``: a chunk
-    into a number of pieces named by one template's new index (``chunk ... into n``).
+    into a number of pieces named by one template's new index (``chunk ... into n``); ``same``:
+    a merge of members that must hold the same bytes (``merge ... same``), written once.
     """
 
     op: RuleOp
@@ -373,6 +374,7 @@ class Rule:
     order: Expr | None = None
     group: Expr | None = None
     parts: Expr | None = None
+    same: bool = False
     loc: Loc = field(default=NOWHERE, compare=False)
 
 

@@ -427,10 +427,12 @@ class _Builder:
                 fields[str(x.data)] = str(x.children[0])
             elif x.data == "plus_index":
                 fields["plus_index"] = True
+            elif x.data == "same":
+                fields["same"] = True
             else:  # a bare expression child: split's dim/sizes, permute's dims, reshape's to
                 fields.setdefault("_exprs", []).append(self.expr(x, loc))
         exprs = fields.pop("_exprs", [])
-        if op in ("split", "chunk", "merge"):
+        if op in ("split", "chunk", "merge") and exprs:  # (`merge ... same` has no dim)
             fields["dim"] = exprs[0]
             if op == "split":
                 fields["sizes"] = exprs[1]

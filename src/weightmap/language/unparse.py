@@ -16,7 +16,7 @@ _WORDS = (
     "matmul gather lookup unpack pack bits order round floor ceil clamp amax amin sum group "
     "index dim dims sizes over to from where config "
     "delete when move lift nest except overwrite and or not in for exists true false null error "
-    "files file input output count into"
+    "files file input output count into same"
 )
 _KEYWORDS = frozenset(_WORDS.split())
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "in": 4,
@@ -174,6 +174,8 @@ def _rule(r: A.Rule) -> str:
             words.append(f"{key} {unparse_expr(value)}")
     if r.parts is not None:
         words.append(f"into {unparse_expr(r.parts)}")
+    if r.same:
+        words.append("same")
     for key in ("bits", "order"):  # read at the `+`/`-` level, as values are
         value = getattr(r, key)
         if value is not None:

@@ -28,6 +28,7 @@ from weightmap.plan.nodes import (
     Reduce,
     Reshape,
     Round,
+    Same,
     Slice,
     Source,
     Stack,
@@ -87,6 +88,8 @@ def _op(node: Node) -> str:
             here = f"{word} dim {node.dim} of {n}"
         else:
             inner, here = f"{inner} (each of {n})", f"{word} dim {node.dim}"
+    elif isinstance(node, Same):
+        inner, here = _op(node.srcs[0]), f"same bytes in all {len(node.srcs)}"
     elif isinstance(node, Permute):
         inner, here = _op(node.src), f"permute {list(node.perm)}"
     elif isinstance(node, Reshape):

@@ -31,6 +31,7 @@ __all__ = [
     "Reduce",
     "Reshape",
     "Round",
+    "Same",
     "Slice",
     "Source",
     "Stack",
@@ -149,6 +150,20 @@ class Concat(Node):
 
     def describe(self) -> str:
         return f"concat({', '.join(s.describe() for s in self.srcs)}, dim={self.dim})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Same(Node):
+    """``srcs[0]``, where every one of ``srcs`` must hold the same bytes (``merge ... same``:
+    a tensor each tensor-parallel rank holds whole), checked as it is computed."""
+
+    srcs: tuple[Node, ...]
+
+    def children(self) -> tuple[Node, ...]:
+        return self.srcs
+
+    def describe(self) -> str:
+        return f"same({', '.join(s.describe() for s in self.srcs)})"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -490,6 +505,8 @@ def node_to_dict(n: Node) -> dict[str, Any]:
         d.update(src=node_to_dict(n.src), dim=n.dim, start=n.start, stop=n.stop)
     elif isinstance(n, (Concat, Stack)):
         d.update(srcs=[node_to_dict(s) for s in n.srcs], dim=n.dim)
+    elif isinstance(n, Same):
+        d["srcs"] = [node_to_dict(s) for s in n.srcs]
     elif isinstance(n, Permute):
         d.update(src=node_to_dict(n.src), perm=list(n.perm))
     elif isinstance(n, (Reshape, Cast)):
@@ -533,6 +550,8 @@ def node_from_dict(d: dict[str, Any]) -> Node:
         srcs = tuple(node_from_dict(s) for s in d["srcs"])
         kind = Concat if op == "concat" else Stack
         return kind(dtype=dt, shape=shape, srcs=srcs, dim=d["dim"])
+    if op == "same":
+        return Same(dtype=dt, shape=shape, srcs=tuple(node_from_dict(s) for s in d["srcs"]))
     if op == "permute":
         return Permute(dtype=dt, shape=shape, src=node_from_dict(d["src"]), perm=tuple(d["perm"]))
     if op == "reshape":
