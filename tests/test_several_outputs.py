@@ -386,3 +386,12 @@ def test_merge_same_is_checked_at_compile_time(small: Path) -> None:
     plain = 'weightmap 1\nmerge "{p:a,b}.weight" same -> "w"\nunmatched keep\n'
     with pytest.raises(MappingError, match="inverts over a family's ranks only"):
         weightmap.invert(plain)
+
+
+def test_a_plan_read_back_keeps_members_in_the_folder(small: Path) -> None:
+    """A plan is JSON that may come from elsewhere: a family naming a file outside the
+    output folder is refused as it is read, before any writer sees it."""
+    d = weightmap.compile(small, mapping=SCATTER).to_dict()
+    d["output_families"][0]["before"] = "../../escape"
+    with pytest.raises(ValueError, match=r"\.safetensors files of the output folder"):
+        Plan.from_dict(d)

@@ -298,7 +298,7 @@ def _compile(
                 "give the checkpoint's folder to write it"
             )
     check_names(outputs, c.report)
-    check_member_files(fams, side, locs, c.report)
+    check_member_files(fams, locs, c.report)
     if declared:
         _check_no_input_names(outputs, declared, c.report)
     c.warnings += stale_dtype_fields(outputs, config, out_config)

@@ -15,10 +15,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 from weightmap.compiler.ops import RuleProblem, as_int, evaluate
-from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap.format.layout import SINGLE_NAME
 from weightmap.language import ast as A
 from weightmap.language.values import Scope
-from weightmap.plan.parts import OutputFamily, OutputTensor, SideFile
+from weightmap.plan.parts import OutputFamily, OutputTensor
 
 __all__ = ["MAX_MEMBERS", "check_member_files", "families", "place"]
 
@@ -136,31 +136,22 @@ def _check_unique(outputs: list[OutputTensor], report: Report) -> None:
 
 
 def check_member_files(
-    fams: Sequence[OutputFamily],
-    side: Sequence[SideFile],
-    locs: Mapping[str, A.Loc],
-    report: Report,
+    fams: Sequence[OutputFamily], locs: Mapping[str, A.Loc], report: Report
 ) -> None:
-    """Report a member file name that another file of the output takes: a side file carried
-    or added, the main checkpoint's weights, index or config.json, or another member."""
-    taken = {f.name: "a side file" for f in side}
-    taken.update(
-        {CONFIG_NAME: "the config", INDEX_NAME: "the index", SINGLE_NAME: "the main weights"}
-    )
+    """Report a member file name that another file of the output takes: the main
+    checkpoint's weights or shards, or another member. (A member is a .safetensors name,
+    which config.json, the index and every side file are not: the files blocks refuse a
+    side file of that suffix.)"""
+    taken = {SINGLE_NAME: "the main weights"}
     for family in fams:
         for rank in range(family.count):
             name = family.filename(rank)
             what = taken.get(name) or ("a main shard" if _SHARD.match(name) else None)
             if what is not None:
-                fix = (
-                    f'drop it with files {{ drop "{name}" }} or rename the family'
-                    if what == "a side file"
-                    else "rename the family's files"
-                )
                 report(
                     locs[family.name],
                     f"output family {family.name!r} would write {name}, which is {what} of "
-                    f"the output: {fix}",
+                    "the output: rename the family's files",
                 )
                 return
             taken[name] = f"member {rank} of family {family.name!r}"

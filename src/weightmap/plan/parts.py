@@ -119,6 +119,19 @@ class OutputFamily:
     after: str
     count: int
 
+    def __post_init__(self) -> None:
+        # A plan may be read back from JSON: its members must still be files of the output
+        # folder (the language checks the pattern; this checks what reaches the writer).
+        if (
+            not 1 <= self.count <= 4096
+            or not self.after.endswith(".safetensors")
+            or any(c in self.before + self.after for c in "/\\\0")
+        ):
+            raise ValueError(
+                f"output family {self.name!r}: {self.before}N{self.after} x {self.count} is not "
+                "1 to 4096 .safetensors files of the output folder"
+            )
+
     @property
     def width(self) -> int:
         """The digits of every member's rank in its file name."""
