@@ -5,8 +5,8 @@ within the chunk budget; it is computed from views of only the input regions it 
 (``chunks.py``) into a buffer the thread reuses, and written at its offset. The input pages a
 chunk read are unmapped once it is written (``Checkpoint.release``), so the process's resident
 memory stays at the chunk budget plus the interpreter and torch whatever the input's size; a
-tensor read out of order (a transpose reads every input row for each chunk) keeps its input
-pages until it is done.
+tensor read out of order (a transpose reads every input row for each chunk) is unmapped band
+by band as it is gathered, and later chunks map its pages again from the page cache.
 """
 
 from __future__ import annotations
@@ -114,15 +114,22 @@ class Computer:
         return crc
 
     def _release(self, seen: list[tuple[str, torch.Tensor]]) -> None:
-        """Unmap the input read by a chunk, where it was one contiguous range: the next chunk
-        reads the range after it. Views read out of order wait for the tensor's end."""
+        """Unmap the input pages a chunk read: the span of each view, from its first byte to
+        its last. The next chunk reads the range after a contiguous view; a strided one (a
+        transpose reads a column block of every input row) spans pages later chunks read again,
+        and they map them again from the page cache rather than keep the whole input mapped."""
         for src, view in seen:
-            if not view.numel() or not view.is_contiguous():
-                continue
-            path, begin, _ = self.where[src]
-            base = self.ckpt.view(src)
-            start = begin + view.data_ptr() - base.data_ptr()
-            self.ckpt.release(path, start, start + view.numel() * view.element_size())
+            self._release_view(src, view)
+
+    def _release_view(self, src: str, view: torch.Tensor) -> None:
+        """Unmap the pages under ``view``, a view of input ``src`` (strides are never negative)."""
+        if not view.numel():
+            return
+        path, begin, _ = self.where[src]
+        base = self.ckpt.view(src)
+        start = begin + view.data_ptr() - base.data_ptr()
+        last = sum((n - 1) * st for n, st in zip(view.shape, view.stride(), strict=True))
+        self.ckpt.release(path, start, start + (last + 1) * view.element_size())
 
     def _chunk(
         self,
@@ -149,9 +156,9 @@ class Computer:
             how = strategy(src.dtype, out.dtype)  # NaN bits independent of chunks (nans.py)
             if how == "contiguous" and not src.is_contiguous():
                 staged = self._buffer(src.dtype, tuple(src.shape), slot=2)
-                self._copy_into(staged, src)  # same dtype: moves bytes, converts nothing
+                self._copy_into(staged, src, seen)  # same dtype: moves bytes, converts nothing
                 src = staged
-            self._copy_into(out, src)
+            self._copy_into(out, src, seen)
             if how == "settle":
                 settle(out, src)
             self._release_early(seen)
@@ -177,7 +184,7 @@ class Computer:
         if part.is_contiguous():
             return _memory(part)  # (a view of the input: released once it is written)
         out = self._buffer(part.dtype, tuple(part.shape))
-        self._copy_into(out, part)
+        self._copy_into(out, part, seen)
         del part
         self._release_early(seen)
         return _memory(out)
@@ -189,13 +196,23 @@ class Computer:
         self._release(seen)
         seen.clear()
 
-    def _copy_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy_into(
+        self,
+        out: torch.Tensor,
+        src: torch.Tensor,
+        seen: list[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         """``out.copy_(src)``; a transposed view is first gathered in its own memory order.
 
         Copied directly, a transposed view reads every element from a different row of the
         input, a cache miss each. Gathering the view's rows into a compact block reads the
         input in order, and the copy out of that block is a permute of a contiguous tensor,
         which torch transposes in cache-sized tiles (2-D). Same elements, same result.
+
+        Where the view is of a memory-mapped input (one of ``seen``), it is gathered in bands
+        of ``_BAND_BYTES`` of the input, each band's pages unmapped once it is copied: the
+        kernel maps a file's pages in blocks around each one read, so a column block of every
+        row would otherwise map the whole input, for every chunk of the tensor.
         """
         if src.dim() < 2 or src.stride(-1) == 1:
             out.copy_(src)
@@ -204,7 +221,15 @@ class Computer:
         order = sorted(range(src.dim()), key=lambda d: -strides[d])
         staged = src.permute(order)
         block = self._buffer(src.dtype, tuple(staged.shape), slot=1)
-        block.copy_(staged)
+        mapped = _input_of(staged, seen or [])
+        if mapped is None:
+            block.copy_(staged)
+        else:
+            rows = max(1, _BAND_BYTES // max(1, staged.stride(0) * staged.element_size()))
+            for lo in range(0, staged.shape[0], rows):
+                band = staged[lo : lo + rows]
+                block[lo : lo + rows].copy_(band)
+                self._release_view(mapped, band)
         inverse = [0] * len(order)
         for i, d in enumerate(order):
             inverse[d] = i
@@ -221,6 +246,21 @@ class Computer:
             bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
             buf = bufs[slot] = torch.empty(size, dtype=torch.uint8)
         return buf[:size].view(dtype).view(shape)
+
+
+# How much of a memory-mapped input a strided gather reads before unmapping it (see
+# ``Computer._copy_into``): small against the 300 MiB a conversion keeps to, large enough
+# that the unmapping is a few calls per chunk.
+_BAND_BYTES = 8 * 2**20
+
+
+def _input_of(view: torch.Tensor, seen: list[tuple[str, torch.Tensor]]) -> str | None:
+    """The input ``view`` is a view of (its memory is that input's map), or None."""
+    storage = view.untyped_storage().data_ptr()
+    for src, read in seen:
+        if read.untyped_storage().data_ptr() == storage:
+            return src
+    return None
 
 
 def _memory(t: torch.Tensor) -> memoryview:
