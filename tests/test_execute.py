@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save, save_file
 import weightmap
 from strategies import cases, src
 from weightmap.errors import CheckpointError, ExecutionError, PlanError
-from weightmap.execute.chunks import chunk_plan
+from weightmap.execute.chunks import chunk_plan, region, scratch
 from weightmap.execute.inplace import recover, rewrite_inplace
 from weightmap.execute.kernels import evaluate, tensor_bytes
 from weightmap.execute.segments import byte_segments
@@ -448,3 +448,36 @@ def test_a_sub_byte_split_through_a_byte_is_refused_before_writing(tmp_path: Pat
     with pytest.raises((ExecutionError, PlanError), match="F4"):
         weightmap.remap(folder, tmp_path / "out", mapping=mapping, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_region_copies_go_into_the_same_scratch_slots_chunk_after_chunk() -> None:
+    """The rotary permute of joined ranks (concat, reshape, permute, reshape): its two copies
+    per chunk go into the computer's buffers, the same slots for every chunk, and the values
+    are those computed without them."""
+    full = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6)
+    inputs = {"r0": full[:32], "r1": full[32:]}
+    joined = Concat(
+        dtype="F32",
+        shape=(64, 6),
+        srcs=(Source.of("r0", "F32", (32, 6)), Source.of("r1", "F32", (32, 6))),
+        dim=0,
+    )
+    heads = Reshape(dtype="F32", shape=(4, 8, 2, 6), src=joined)
+    swapped = Permute(dtype="F32", shape=(4, 2, 8, 6), src=heads, perm=(0, 2, 1, 3))
+    top = Reshape(dtype="F32", shape=(64, 6), src=swapped)
+    expected = full.view(4, 8, 2, 6).permute(0, 2, 1, 3).reshape(64, 6)
+    taken: list[list[int]] = []
+
+    def buffers(dtype: torch.dtype, shape: tuple[int, ...], slot: int) -> torch.Tensor:
+        taken[-1].append(slot)
+        return torch.full(shape, -1.0, dtype=dtype)  # (stale values must not show)
+
+    for lo in range(0, 64, 24):
+        hi = min(64, lo + 24)
+        taken.append([])
+        with scratch(buffers):
+            got = region(top, 0, lo, hi, inputs.__getitem__, "t").clone()
+        assert torch.equal(got, expected[lo:hi])
+        assert torch.equal(region(top, 0, lo, hi, inputs.__getitem__, "t"), expected[lo:hi])
+    # (A slot taken by the region computed outside ``scratch`` would show in its chunk's list.)
+    assert taken[0] and all(t == taken[0] for t in taken), taken

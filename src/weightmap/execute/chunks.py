@@ -6,7 +6,9 @@ intermediates of one chunk stay within the chunk budget whatever the tensor's si
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from weightmap.execute import values
@@ -39,7 +41,49 @@ from weightmap.plan.nodes import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["chunk_plan", "concat_pieces", "region", "tree_nodes"]
+__all__ = ["chunk_plan", "concat_pieces", "region", "scratch", "tree_nodes"]
+
+# A buffer source: (dtype, shape, slot) -> a tensor of that dtype and shape, reused by slot.
+Buffers = Callable[["torch.dtype", tuple[int, ...], int], "torch.Tensor"]
+_pool = threading.local()
+# The first slot ``region`` takes from a ``scratch`` pool (the computer keeps the ones below).
+_FIRST_SLOT = 8
+
+
+@contextmanager
+def scratch(buffers: Buffers) -> Iterator[None]:
+    """While inside, the copies ``region`` makes on this thread (a concatenation, the gather of
+    a reshape's range) go into ``buffers``, a slot each in the order they are made: the same
+    slots chunk after chunk, so one chunk's intermediates reuse the last one's memory. A
+    fresh tensor per copy would be freed into the allocator's per-thread heaps, which keep
+    what the largest chunk needed, several times over. Results are valid until the next
+    ``scratch`` on this thread."""
+    _pool.buffers, _pool.next = buffers, _FIRST_SLOT
+    try:
+        yield
+    finally:
+        _pool.buffers = None
+
+
+def _empty(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor: the next ``scratch`` slot where one is open, else a new one."""
+    buffers: Buffers | None = getattr(_pool, "buffers", None)
+    if buffers is None:
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
+    slot = _pool.next
+    _pool.next += 1
+    return buffers(dtype, shape, slot)
+
+
+def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(pieces, dim)``, into a scratch slot where one is open."""
+    import torch
+
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    return torch.cat(pieces, dim, out=_empty(pieces[0].dtype, tuple(shape)))
 
 
 def region(
@@ -74,7 +118,7 @@ def region(
             return sub(node.src, dim, node.start + start, node.start + stop)
         return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
-        return torch.cat(concat_pieces(node, dim, start, stop, sub), node.dim)
+        return _cat(concat_pieces(node, dim, start, stop, sub), node.dim)
     if isinstance(node, Same):  # each member's region, compared; the first's written
         return same([sub(s, dim, start, stop) for s in node.srcs], node, where)
     if isinstance(node, Stack):
@@ -231,8 +275,6 @@ def _reshape_region(
     reshaped dim to the front (a rotary permute chain, say) it is one range per index of the
     dims before it, each computed on its own, so memory stays that of the region.
     """
-    import torch
-
     outer = numel(node.shape[:dim])
     extent = node.shape[dim]
     inner = numel(node.shape[dim + 1 :])
@@ -244,7 +286,7 @@ def _reshape_region(
         _flat(node.src, (o * extent + start) * inner, (o * extent + stop) * inner, get, where, seen)
         for o in range(outer)
     ]
-    return torch.cat(pieces).reshape(shape)
+    return _cat(pieces, 0).reshape(shape)
 
 
 def _flat(
@@ -261,8 +303,13 @@ def _flat(
     dim = next((i for i, d in enumerate(node.shape) if d > 1), 0)
     per = numel(node.shape[dim + 1 :])
     r0, r1 = lo // per, -(-hi // per)
-    part = region(node, dim, r0, r1, get, where, seen).reshape(-1)
-    return part[lo - r0 * per : hi - r0 * per]
+    part = region(node, dim, r0, r1, get, where, seen)
+    if part.is_contiguous():
+        flat = part.reshape(-1)
+    else:  # (a permuted region: gathered into row-major order)
+        flat = _empty(part.dtype, (part.numel(),))
+        flat.view(part.shape).copy_(part)
+    return flat[lo - r0 * per : hi - r0 * per]
 
 
 def tree_nodes(node: Node) -> list[Node]:

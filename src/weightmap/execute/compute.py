@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from weightmap.errors import ExecutionError
-from weightmap.execute.chunks import chunk_plan, concat_pieces, region, tree_nodes
+from weightmap.execute.chunks import chunk_plan, concat_pieces, region, scratch, tree_nodes
 from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
 from weightmap.execute.nans import settle, strategy
 from weightmap.format.dtypes import DTYPES, nbytes, numel
@@ -100,7 +100,8 @@ class Computer:
             stop = min(last, start + step)
             seen: list[tuple[str, torch.Tensor]] = []
             if node.shape:
-                data = self._chunk(node, dim, start, stop, name, seen)
+                with scratch(self._buffer):  # (its buffers hold ``data`` until the next chunk)
+                    data = self._chunk(node, dim, start, stop, name, seen)
             else:
                 data = memoryview(tensor_bytes(evaluate(node, self.ckpt.view, name)))
             if data.nbytes:
@@ -182,7 +183,9 @@ class Computer:
             return _memory(out)
         part = region(node, dim, start, stop, self.ckpt.view, name, seen)
         if part.is_contiguous():
-            return _memory(part)  # (a view of the input: released once it is written)
+            if _input_of(part, seen) is None:  # computed into memory of its own
+                self._release_early(seen)
+            return _memory(part)  # (else a view of the input: released once it is written)
         out = self._buffer(part.dtype, tuple(part.shape))
         self._copy_into(out, part, seen)
         del part
