@@ -5,7 +5,8 @@ against the bare interpreter and a baseline commit, side by side.
 
 Each command is a fresh process (``python -c "from weightmap.cli import main; main([...])"``
 with ``PYTHONPATH`` set to the tree under test, so both trees start the same way; the
-installed ``weightmap`` script adds nothing but its own two-line file). The runs are
+installed ``weightmap`` script adds nothing but its own two-line file), each tree compiled to
+bytecode first, as an installed package is. The runs are
 interleaved, commands rotated, and the medians reported, with ``python -c pass`` in the same
 rotation as the floor. ``inspect`` reads the example drafter in ``examples/``. Writes the
 section "Start-up" of docs/benchmarks.md (``--no-write``: print it only).
@@ -64,6 +65,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weightmap-startup-") as scratch:
         if args.baseline:
             trees["before"] = _checkout(args.baseline, Path(scratch))
+        for src in trees.values():
+            # Bytecode first, as an installed package has it (pip compiles at install): where
+            # PYTHONDONTWRITEBYTECODE is set, every start would otherwise compile every module.
+            subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
         jobs: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
         bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         jobs[("`python -c pass`", "")] = ([sys.executable, "-c", "pass"], bare_env)

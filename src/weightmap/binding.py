@@ -23,7 +23,7 @@ from typing import Any
 
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.errors import CheckpointError, MappingError
-from weightmap.format.layout import CONFIG_NAME
+from weightmap.format.names import CONFIG_NAME
 from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.join import join

@@ -548,7 +548,7 @@ def _cmd_invert(args: argparse.Namespace) -> int:
 
 def _cmd_clean(args: argparse.Namespace) -> int:
     from weightmap.api import recover
-    from weightmap.format.layout import JOURNAL_NAME
+    from weightmap.format.names import JOURNAL_NAME
     from weightmap.fs.atomic import remove_path, temporaries
 
     folder = Path(args.path)

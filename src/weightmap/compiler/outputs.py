@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 from weightmap.compiler.ops import RuleProblem, as_int, evaluate
-from weightmap.format.layout import SINGLE_NAME
+from weightmap.format.names import SINGLE_NAME
 from weightmap.language import ast as A
 from weightmap.language.values import Scope
 from weightmap.plan.parts import OutputFamily, OutputTensor

@@ -34,7 +34,7 @@ from typing import Any
 
 from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanError
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
-from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
+from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
 from weightmap.format.text import read_json_file, same_json
 from weightmap.fs.atomic import fsync_dir, temporary_path
 from weightmap.fs.cancel import CancelToken

@@ -20,6 +20,7 @@ from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False
 from typing import Literal, NamedTuple
 
 from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 
 __all__ = [
     "CLONE_BLOCK",
@@ -46,11 +47,6 @@ __all__ = [
     "plan_shards",
 ]
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-# An in-place rewrite's journal (see execute/inplace.py); its presence means one was interrupted.
-JOURNAL_NAME = ".weightmap-inplace-journal.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 _UNITS = {

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, TensorSpec, sized_specs
 from weightmap.format.header import Header, TensorInfo, read_header
-from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8
 from weightmap.fs.gcpause import gc_paused

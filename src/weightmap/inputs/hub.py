@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from weightmap.errors import CheckpointError
-from weightmap.format.layout import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
+from weightmap.format.names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.safeopen import kind, read_bounded

@@ -25,14 +25,10 @@ dict of tensors.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import pickle
 import re
 import struct
-import warnings
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,6 +115,8 @@ def _members(path: Path, source: Path) -> tuple[dict[str, tuple[int, int]], byte
     """``{key: (data offset, size)}`` of the storage members, and the byteorder record
     (nothing for a file that is no zip archive: loading it says what it is). ``source`` is
     the name to read (the opened file's), ``path`` the one to show."""
+    import zipfile  # (here: a checkpoint of safetensors alone never needs it)
+
     try:
         if not zipfile.is_zipfile(source):
             return {}, None
@@ -175,6 +173,9 @@ def _members(path: Path, source: Path) -> tuple[dict[str, tuple[int, int]], byte
 
 
 def _load(path: Path, source: Path) -> Any:
+    import pickle
+    import warnings
+
     import torch
 
     with source.open("rb") as f:
@@ -392,6 +393,8 @@ def release_pages(
     anchor = next(
         (n for n, info in header.tensors.items() if info.nbytes and n not in header.strided), None
     )
+    import ctypes
+
     if anchor is None or end <= begin or not hasattr(ctypes, "CDLL"):
         return
     base = tensors[anchor].data_ptr() - header.tensors[anchor].begin

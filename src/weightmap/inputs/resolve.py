@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightmap.errors import CheckpointError
-from weightmap.format.layout import CONFIG_NAME
+from weightmap.format.names import CONFIG_NAME
 from weightmap.inputs.sidefiles import FolderFiles, list_side_files
 
 if TYPE_CHECKING:

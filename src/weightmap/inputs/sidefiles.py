@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from weightmap.errors import CheckpointError, ExecutionError
-from weightmap.format.layout import CONFIG_NAME
+from weightmap.format.names import CONFIG_NAME
 from weightmap.fs.safeopen import kind, open_resolved
 
 __all__ = [

@@ -11,7 +11,6 @@ named as what it is, with what to do.
 from __future__ import annotations
 
 import os
-import zipfile
 from pathlib import Path
 from typing import Literal
 
@@ -49,6 +48,8 @@ def sniff(path: Path) -> Kind:
             return "gguf"
         if head != _ZIP:
             return "safetensors"
+        import zipfile  # (only for a zip archive: safetensors never needs it)
+
         try:
             # Through the descriptor's own name: the file read is the one checked.
             with zipfile.ZipFile(fd_path(fd, path)) as archive:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import MappingError, MappingSyntaxError
-from weightmap.format.layout import CONFIG_NAME
+from weightmap.format.names import CONFIG_NAME
 from weightmap.language import ast as A
 from weightmap.language.expr import closest, compile_expr, did_you_mean, resolve_dtype
 from weightmap.language.parse import parse_program
