@@ -36,7 +36,7 @@ from weightmap.inputs.checkpoint import Checkpoint
 
 # 64 tensors of 16 MiB of float32: 1 GiB in, 512 MiB of bfloat16 out (seconds of work on
 # two cores, a fraction of a second to stop).
-_TENSORS, _ROWS, _COLS = 64, 1024, 4096
+_TENSORS, _ROWS, _COLS = 128, 1024, 4096
 _RENAME = 'weightmap 1\nrename "layers.{i}.weight" -> "l.{i}.w"'
 # A transpose and a cast: computed in chunks, the slowest common work per byte.
 _CAST = 'weightmap 1\ntranspose "**"\ncast "**" to bf16\nconfig { torch_dtype = "bfloat16" }\n'
