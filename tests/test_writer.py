@@ -9,6 +9,7 @@ import os
 import random
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 from types import MappingProxyType
 
@@ -387,3 +388,82 @@ def test_parse_size(text: str | int, value: int) -> None:
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(text)
+
+
+def _direct_supported(folder: Path) -> bool:
+    from weightmap.format.transfer import open_direct
+
+    probe = folder / "probe"
+    probe.write_bytes(b"")
+    fd = open_direct(probe)
+    probe.unlink()
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_large_chunks_in_any_order_and_phase_give_the_reference_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """Chunks of a megabyte and more, at offsets and from memory in every position relative to
+    a disk block (bytes, unaligned views, views placed by ``phase``), written by four threads
+    in a shuffled order: the bytes of the reference, direct I/O on or off."""
+    monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", direct)
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(1000, 1031), "c": torch.randn(777, 999)}
+    specs = [_spec(n, t) for n, t in tensors.items()]
+    rng = random.Random(0)
+    jobs = []
+    for name, t in tensors.items():
+        raw = _raw(t)
+        cuts = sorted({0, len(raw), *(rng.randrange(len(raw)) for _ in range(3))})
+        jobs += [(name, raw, lo, hi) for lo, hi in pairwise(cuts)]
+    rng.shuffle(jobs)
+    with CheckpointWriter(tmp_path / "out", specs) as w:
+
+        def put(job: tuple[str, bytes, int, int]) -> None:
+            name, raw, lo, hi = job
+            if lo % 2:  # from bytes (read-only memory)
+                w.write(name, raw[lo:hi], lo)
+                return
+            # From writable memory placed where the chunk lands in its block, or one byte off.
+            room = bytearray(hi - lo + 8192)
+            base = torch.frombuffer(room, dtype=torch.uint8).data_ptr()
+            shift = (w.phase(name, lo) - base) % 4096 + (lo % 4 == 2)
+            view = memoryview(room)[shift : shift + hi - lo]
+            view[:] = raw[lo:hi]
+            w.write(name, view, lo)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(put, jobs))
+        used = {fd for fd in w._direct.values() if fd is not None}
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == save(tensors)
+    if direct == "1" and _direct_supported(tmp_path):
+        assert used, "no chunk went to the disk directly"
+    if direct == "0":
+        assert not used
+
+
+def test_a_refused_direct_write_is_written_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that refuses direct I/O of the blocks (EINVAL): the chunk is written
+    through the page cache, and so is every later one of that shard."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no direct I/O")
+    calls = []
+
+    def refuse(*args: object) -> None:
+        calls.append(args)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(writer_module, "pwrite_direct", refuse)
+    tensors = {"w": torch.randn(1024, 1024)}
+    raw = _raw(tensors["w"])
+    half = len(raw) // 2
+    with CheckpointWriter(tmp_path / "out", [_spec("w", tensors["w"])]) as w:
+        w.write("w", raw[:half], 0)
+        w.write("w", raw[half:], half)
+    assert len(calls) == 1
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == save(tensors)

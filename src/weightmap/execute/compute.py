@@ -22,6 +22,7 @@ from weightmap.execute.chunks import chunk_plan, concat_pieces, region, scratch,
 from weightmap.execute.kernels import OPAQUE_DTYPES, evaluate, tensor_bytes
 from weightmap.execute.nans import settle, strategy
 from weightmap.format.dtypes import DTYPES, nbytes, numel
+from weightmap.format.transfer import DIRECT_ALIGN
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.nodes import Cast, Concat, Node, Source, int_cast_fits
 
@@ -96,10 +97,13 @@ class Computer:
         first, last = (0, max(extent, 1)) if rows is None else rows
         crc = 0
         offset = size // max(extent, 1) * first  # the dims before ``dim`` are all 1
+        phase: Callable[[str, int], int] | None = getattr(self.writer, "phase", None)
         for start in range(first, last, step):
             stop = min(last, start + step)
             seen: list[tuple[str, torch.Tensor]] = []
             if node.shape:
+                # The output buffer placed as the bytes land in a disk block (see _buffer).
+                self._scratch.phase = phase(name, offset) if phase is not None else 0
                 with scratch(self._buffer):  # (its buffers hold ``data`` until the next chunk)
                     data = self._chunk(node, dim, start, stop, name, seen)
             else:
@@ -239,16 +243,27 @@ class Computer:
         out.copy_(block.permute(inverse))
 
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
-        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``."""
+        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``.
+
+        The output buffer (slot 0) starts where the chunk's first byte lands in a disk block
+        (``phase``): the writer then sends its whole blocks to the disk straight from it,
+        where a buffer placed anywhere would be copied into an aligned one first.
+        """
         import torch
 
         size = numel(shape) * dtype.itemsize
+        room = size + (DIRECT_ALIGN if slot == 0 else 0)
         bufs: dict[int, torch.Tensor] = self._scratch.__dict__.setdefault("bufs", {})
         buf = bufs.get(slot)
-        if buf is None or buf.numel() < size:
+        if buf is None or buf.numel() < room:
             bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
-            buf = bufs[slot] = torch.empty(size, dtype=torch.uint8)
-        return buf[:size].view(dtype).view(shape)
+            buf = bufs[slot] = torch.empty(room, dtype=torch.uint8)
+        shift = 0
+        if slot == 0:
+            shift = (getattr(self._scratch, "phase", 0) - buf.data_ptr()) % DIRECT_ALIGN
+            if shift % 8:  # (a dtype view needs its elements' alignment: no shift then)
+                shift = 0
+        return buf[shift : shift + size].view(dtype).view(shape)
 
 
 # How much of a memory-mapped input a strided gather reads before unmapping it (see

@@ -18,7 +18,18 @@ from contextlib import contextmanager
 
 from weightmap.errors import ExecutionError
 
-__all__ = ["clone", "copy", "fallocate", "fsyncing", "pwrite_all", "start_writeback"]
+__all__ = [
+    "DIRECT_ALIGN",
+    "DIRECT_MIN",
+    "clone",
+    "copy",
+    "fallocate",
+    "fsyncing",
+    "open_direct",
+    "pwrite_all",
+    "pwrite_direct",
+    "start_writeback",
+]
 
 _COPY_CHUNK = 64 * 1024 * 1024
 # linux/fs.h: _IOW(0x94, 13, struct file_clone_range)
@@ -40,6 +51,69 @@ def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
         n = os.pwrite(fd, view, position)
         view = view[n:]
         position += n
+
+
+# Direct I/O moves whole blocks between the disk and memory aligned to them. 4096 bytes is a
+# multiple of every logical block size disks report (512 or 4096) and of the memory
+# alignment they ask; a filesystem that wants more refuses the write (EINVAL), and the writer
+# then writes through the page cache instead.
+DIRECT_ALIGN = 4096
+# Writes smaller than this go through the page cache: direct I/O pays off on the chunks of a
+# computed tensor (megabytes), not on small tensors.
+DIRECT_MIN = 1 << 20
+
+
+def open_direct(path: str | os.PathLike[str]) -> int | None:
+    """A second, write-only descriptor of ``path`` that bypasses the page cache (O_DIRECT), or
+    None where the platform or the filesystem has none (tmpfs on older kernels, macOS)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return None
+        raise
+
+
+def pwrite_direct(
+    fd: int, direct: int, data: bytes | memoryview, position: int, stage: memoryview
+) -> None:
+    """Write ``data`` at ``position``: the whole aligned blocks it covers through ``direct``
+    (the same file opened with O_DIRECT), the partial blocks at either end through ``fd``.
+
+    A block is then always written one way: whole inside one write, it goes direct; shared by
+    two writes (or with a header, or a copied tensor), every write of it goes through the page
+    cache, so the cache never holds a stale copy of a block written around it. Memory not
+    aligned to a block is copied through ``stage`` (page-aligned, a multiple of the block
+    size). Raises OSError(EINVAL) where the filesystem refuses direct I/O of these blocks;
+    the caller then writes the whole range again through ``fd``.
+    """
+    view = memoryview(data).cast("B")
+    lead = min(view.nbytes, -position % DIRECT_ALIGN)
+    body = (view.nbytes - lead) // DIRECT_ALIGN * DIRECT_ALIGN
+    if lead:
+        pwrite_all(fd, view[:lead], position)
+    if body:
+        middle, at = view[lead : lead + body], position + lead
+        if _address(middle) % DIRECT_ALIGN == 0:
+            pwrite_all(direct, middle, at)
+        else:
+            for start in range(0, body, stage.nbytes):
+                n = min(stage.nbytes, body - start)
+                stage[:n] = middle[start : start + n]
+                pwrite_all(direct, stage[:n], at + start)
+    rest = view[lead + body :]
+    if rest:
+        pwrite_all(fd, rest, position + lead + body)
+
+
+def _address(view: memoryview) -> int:
+    """The memory address of a buffer's first byte (read-only buffers included)."""
+    import numpy as np  # (only computed tensors are written this way: torch has loaded it)
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -37,11 +38,15 @@ from weightmap.format.layout import (
     plan_members,
 )
 from weightmap.format.transfer import (
+    DIRECT_ALIGN,
+    DIRECT_MIN,
     clone,
     copy,
     fallocate,
     fsyncing,
+    open_direct,
     pwrite_all,
+    pwrite_direct,
     start_writeback,
 )
 from weightmap.fs.atomic import (
@@ -71,6 +76,8 @@ COPY_PIECE = 8 * 2**20
 _CLONE_PIECE = 2**30
 # What the probe clones: one block of the common size (a clone must cover whole blocks).
 _PROBE_BYTES = 4096
+# Each writing thread's staging buffer for direct writes of unaligned memory (see write()).
+_STAGE_BYTES = 8 * 2**20
 # Space held in the temporary folder, from the start, for the files written after the shards
 # (the side files): released just before they are written.
 RESERVE_NAME = ".side-files.reserve"
@@ -244,6 +251,11 @@ class CheckpointWriter:
         self._written = [0] * len(self.shards)  # data bytes written, by shard
         self._lock = threading.Lock()
         self._fds: list[int] = []
+        # Shard number -> its O_DIRECT descriptor (None: none, the page cache it is), opened
+        # on the first large write into the shard; see write().
+        self._direct: dict[int, int | None] = {}
+        self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "1") != "0"
+        self._stage = threading.local()  # each thread's page-aligned staging buffer
         self._src: dict[int, int] = {}  # input file number -> read-only fd
         self._clones: dict[int, bool] = {}  # input file number -> may clone into the output
         self._src_size: dict[int, int] = {}
@@ -360,6 +372,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
         self._close_inputs()
+        self._close_direct()
         keep_open_elsewhere(self._fds)  # (only once a signal stopped the command line)
         for fd in self._fds:
             with contextlib.suppress(OSError):
@@ -407,12 +420,61 @@ class CheckpointWriter:
         self._done(shard, length)
 
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
-        """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it."""
+        """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it.
+
+        Chunks of a megabyte or more go to the disk directly (O_DIRECT), past the page cache:
+        a computed tensor's bytes are written once and not read again, and copying them into
+        the cache, then writing the cache back, took twice the time of the direct write
+        (docs/benchmarks.md). Where the filesystem refuses, through the cache.
+        """
         length = memoryview(data).nbytes
         fd, position = self._check(name, offset, length)
-        pwrite_all(fd, data, position)
-        start_writeback(fd, position, length)
-        self._done(self._where(name)[0], length)
+        shard = self._where(name)[0]
+        direct = self._direct_fd(shard) if length >= DIRECT_MIN else None
+        if direct is not None:
+            try:
+                pwrite_direct(fd, direct, data, position, self._staging())
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                with self._lock:  # refused: this shard is written through the cache from now
+                    self._direct[shard] = None
+                os.close(direct)
+                direct = None
+        if direct is None:
+            pwrite_all(fd, data, position)
+            start_writeback(fd, position, length)
+        self._done(shard, length)
+
+    def phase(self, name: str, offset: int) -> int:
+        """Where in its disk block byte ``offset`` of tensor ``name`` lands: memory holding a
+        chunk that starts there at the same place in a block of memory goes to the disk
+        without a copy (``pwrite_direct``)."""
+        return (self._where(name)[1] + offset) % DIRECT_ALIGN
+
+    def _direct_fd(self, shard: int) -> int | None:
+        """Shard ``shard``'s O_DIRECT descriptor, opened on first use; None where there is none."""
+        if not self._use_direct or self.tmp is None:
+            return None
+        with self._lock:
+            if shard not in self._direct:
+                self._direct[shard] = open_direct(self.tmp / self.shards[shard].filename)
+            return self._direct[shard]
+
+    def _staging(self) -> memoryview:
+        """This thread's page-aligned buffer for direct writes of unaligned memory."""
+        stage: memoryview | None = getattr(self._stage, "view", None)
+        if stage is None:
+            stage = self._stage.view = memoryview(mmap.mmap(-1, _STAGE_BYTES))
+        return stage
+
+    def _close_direct(self) -> None:
+        with self._lock:
+            fds = [fd for fd in self._direct.values() if fd is not None]
+            self._direct.clear()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def copy_range(
         self, name: str, src_fd: int, src_offset: int, length: int, offset: int = 0
@@ -502,6 +564,7 @@ class CheckpointWriter:
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
             self._close_inputs()
+            self._close_direct()  # (the shards' own descriptors fsync what went through them)
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
