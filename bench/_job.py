@@ -1,11 +1,14 @@
 """One measured job, run in a fresh process by ``bench/run.py``; prints one JSON line.
 
     python bench/_job.py weightmap SRC DST (--mapping FILE | --preset NAME) [--torch]
+                                                [--page-cache]
     python bench/_job.py inplace SRC --mapping FILE --back FILE
     python bench/_job.py naive SRC DST OP        # OP: rename, to-f32, to-bf16, split, transpose
     python bench/_job.py cp SRC DST [--fsync]
     python bench/_job.py naive-ranks SRC DST     # Meta's rank files joined as write_model
     python bench/_job.py peft BASE ADAPTER DST   # peft's merge_and_unload (bench/README.md)
+    python bench/_job.py direct-write DST BYTES  # the disk's limit: O_DIRECT, 2 threads, fsync
+    python bench/_job.py in-memory SRC OP        # torch's op on loaded tensors (to-f32, transpose)
 
 Only the operation is timed (``seconds``); imports happen before the clock starts and
 ``startup`` is the time from interpreter start to the clock starting. ``rss_peak`` is
@@ -204,6 +207,8 @@ class StageTimer:
 
 
 def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
+    if args.page_cache:  # every byte through the page cache, as before direct writes
+        os.environ["WEIGHTMAP_DIRECT_IO"] = "0"
     if args.torch:
         # A computing plan needs torch; import it before the clock, as the naive script does.
         import torch  # noqa: F401
@@ -377,6 +382,63 @@ def job_peft(args: argparse.Namespace) -> dict[str, Any]:
 # -- cp --------------------------------------------------------------------------------------
 
 
+def job_direct_write(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk's limit for an output: ``nbytes`` written into one file with O_DIRECT from
+    ``threads`` threads, 32 MiB aligned blocks each (filled before the clock), then fsynced."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    block = 32 * 2**20
+    dst = Path(args.dst)
+    buffers = [mmap.mmap(-1, block) for _ in range(args.threads)]
+    for buf in buffers:
+        buf.write(os.urandom(2**20) * (block // 2**20))
+    nbytes = -(-args.nbytes // 4096) * 4096
+
+    def op() -> dict[str, Any]:
+        dst.mkdir()
+        fd = os.open(dst / "out.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            os.ftruncate(fd, nbytes)
+
+            def part(k: int) -> None:
+                view = memoryview(buffers[k])
+                for at in range(k * block, nbytes, block * args.threads):
+                    os.pwrite(fd, view[: min(block, nbytes - at)], at)
+
+            with ThreadPoolExecutor(args.threads) as pool:
+                list(pool.map(part, range(args.threads)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder = os.open(dst, os.O_RDONLY)
+        os.fsync(folder)
+        os.close(folder)
+        return {}
+
+    return _measure(op)
+
+
+def job_in_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """torch's own operation on tensors already in memory (loaded before the clock): the
+    compute a conversion cannot avoid, with no reading or writing."""
+    import torch
+    from safetensors.torch import load_file
+
+    sd = {k: v.clone() for k, v in load_file(Path(args.src) / "model.safetensors").items()}
+
+    def op() -> dict[str, Any]:
+        out = {}
+        for k, v in sd.items():
+            if args.op == "to-f32":
+                out[k] = v.to(torch.float32) if v.dtype == torch.bfloat16 else v
+            else:
+                out[k] = v.T.contiguous() if v.dim() == 2 else v
+        return {"tensors": len(out)}
+
+    return _measure(op)
+
+
 def job_cp(args: argparse.Namespace) -> dict[str, Any]:
     """``cp -r``; its peak RSS is sampled from /proc, as ``RUSAGE_CHILDREN`` also counts this
     wrapper's own resident set at the time it started the child."""
@@ -425,7 +487,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch", action="store_true", help="import torch before timing")
     p.add_argument("--set", action="append", help="KEY=JSON, a mapping param")
     p.add_argument("--input", action="append", help="NAME=PATH, a declared input")
+    p.add_argument("--page-cache", action="store_true", help="WEIGHTMAP_DIRECT_IO=0")
     p.set_defaults(fn=job_weightmap)
+    p = sub.add_parser("direct-write")
+    p.add_argument("dst")
+    p.add_argument("nbytes", type=int)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(fn=job_direct_write)
+    p = sub.add_parser("in-memory")
+    p.add_argument("src")
+    p.add_argument("op", choices=["to-f32", "transpose"])
+    p.set_defaults(fn=job_in_memory)
     p = sub.add_parser("naive-ranks")
     p.add_argument("src")
     p.add_argument("dst")

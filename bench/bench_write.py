@@ -1,0 +1,157 @@
+"""The write path at 4 GB: a cast and a transpose of every tensor, against the physical limits.
+
+    python bench/bench_write.py [--repeat 3] [--gb 4] [--baseline SRC] [--workdir DIR]
+                                [--no-write]
+
+A checkpoint of bf16 [4096, 14336] tensors (4.1 GB by default; every byte written, from a
+repeated random block) is converted two ways: every tensor cast to f32 (twice the bytes
+written) and every tensor transposed. Each weightmap run is set beside the two limits no
+conversion can beat: writing the output's bytes with O_DIRECT from two threads (fsynced), and
+torch's own operation on the tensors already in memory (``.to(torch.float32)``,
+``.T.contiguous()``; loaded before the clock). The conversion's target is 1.3x the larger of
+the two. Also measured: weightmap with every byte through the page cache
+(``WEIGHTMAP_DIRECT_IO=0``, how it wrote before direct writes), and ``--baseline SRC``, a
+``src/`` tree of another commit (e.g. unpacked with ``git archive``), as **before**.
+
+Each run is a fresh process (``bench/_job.py``), interleaved, warm page cache for the input,
+output deleted and synced between runs; medians, with peak RSS (``ru_maxrss``). The outputs
+of every weightmap variant are compared bit for bit with the first. Writes the section "The
+write path" of docs/benchmarks.md (``--no-write``: print it only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from common import HERE
+from jobs import SOURCES, Launcher, Runner, Samples
+from sections import write_section
+
+SECTION = "## The write path"
+SHAPE = (4096, 14336)
+OPS = {
+    "cast bf16 -> f32": ("to-f32", 'weightmap 1\ncast "{x*}" to f32 where dtype == bf16\n'),
+    "transpose": ("transpose", 'weightmap 1\ntranspose "{x*}"\n'),
+}
+
+
+def write_checkpoint(folder: Path, gb: float) -> int:
+    """bf16 tensors of ``SHAPE`` adding up to about ``gb`` GB; returns the file's bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    count = max(1, round(gb * 1e9 / (SHAPE[0] * SHAPE[1] * 2)))
+    block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)).bfloat16()
+    n = SHAPE[0] * SHAPE[1]
+    tensors = {
+        f"layers.{i}.weight": block.roll(i * 7919).repeat(-(-n // block.numel()))[:n]
+        .reshape(SHAPE).clone()
+        for i in range(count)
+    }  # fmt: skip
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return (folder / "model.safetensors").stat().st_size
+
+
+def _digest(out: Path) -> str:
+    h = hashlib.sha256()
+    with (out / "model.safetensors").open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _row(name: str, s: Samples, limit: float) -> str:
+    if s.failures:
+        return f"| {name} | failed: {s.failures[0]} | | |"
+    wall = s.median("seconds")
+    ratio = f"{wall / limit:.2f}x" if limit == limit else ""
+    return f"| {name} | {wall:.2f} s | {ratio} | {s.median('rss_peak'):,.0f} MiB |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gb", type=float, default=4.0, help="the checkpoint's size")
+    p.add_argument("--baseline", type=Path, help="a src/ tree to run as the before column")
+    p.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one)")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    args = p.parse_args()
+    launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
+    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
+    tables: list[str] = []
+    try:
+        src = workdir / "bf16"
+        nbytes = write_checkpoint(src, args.gb)
+        runner = Runner(workdir, launcher)
+        out = str(runner.out)
+        if args.baseline is not None:
+            SOURCES["before"] = args.baseline.resolve()
+        for title, (op, mapping_text) in OPS.items():
+            mapping = workdir / f"{op}.wm"
+            mapping.write_text(mapping_text)
+            written = nbytes * 2 if op == "to-f32" else nbytes
+            wm = ["weightmap", str(src), out, "--mapping", str(mapping), "--torch"]
+            tools = {
+                "weightmap": wm,
+                "weightmap, through the page cache": [*wm, "--page-cache"],
+            }
+            if args.baseline is not None:
+                tools["before"] = wm
+            tools["O_DIRECT write of the output's bytes"] = ["direct-write", out, str(written)]
+            tools["torch, in memory"] = ["in-memory", str(src), op]
+            digests: dict[str, str] = {}
+
+            def check(name: str, folder: Path, digests: dict[str, str] = digests) -> None:
+                if not name.startswith(("weightmap", "before")):
+                    return
+                digests[name] = _digest(folder)
+                if len(set(digests.values())) > 1:
+                    raise ValueError(f"{name}'s output differs from {next(iter(digests))}'s")
+
+            samples = runner.compare(
+                {name: (lambda a=a: a) for name, a in tools.items()}, [src], args.repeat,
+                check=check,
+            )  # fmt: skip
+            direct = samples["O_DIRECT write of the output's bytes"].median("seconds")
+            memory = samples["torch, in memory"].median("seconds")
+            limit = max(direct, memory)
+            rows = [
+                f"### {title}: {nbytes / 1e9:.2f} GB in, {written / 1e9:.2f} GB written",
+                "",
+                "| tool | wall (median) | / max(O_DIRECT write, torch in memory) | peak RSS |",
+                "|---|---|---|---|",
+                *(_row(name, s, limit) for name, s in samples.items()),
+                "",
+            ]
+            tables += rows
+            print("\n".join(rows), flush=True)
+    finally:
+        launcher.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = "\n".join(
+        [
+            SECTION,
+            "",
+            f"bf16 [{SHAPE[0]}, {SHAPE[1]}] tensors; medians of {args.repeat} runs, each a "
+            "fresh process, interleaved, warm page cache for the input; weightmap's outputs "
+            "compared bit for bit (with and without direct writes"
+            + (", and **before**" if args.baseline is not None else "")
+            + f"). `python {HERE.name}/bench_write.py` ({time.strftime('%Y-%m-%d')}, "
+            f"{os.uname().machine}, {os.cpu_count()} cores).",
+            "",
+            *tables,
+        ]
+    )
+    if not args.no_write:
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
