@@ -1,7 +1,7 @@
 """A rename of 200,000 small tensors in 8 shards against ``cp -r`` + fsync, side by side.
 
     python bench/bench_many.py [--tensors 200000] [--shards 8] [--repeat 5]
-                               [--baseline SRC] [--workdir DIR]
+                               [--baseline SRC] [--workdir DIR] [--no-write]
 
 The cost of such a conversion is per tensor (reading headers, compiling, laying out the
 shards, writing the index), not per byte: MoE checkpoints of the DeepSeek-V3 and Kimi-K2 class
@@ -10,9 +10,10 @@ projection (4 KiB), renamed ``model.layers.{n}.mlp.experts.{rest}`` -> ``layers.
 {rest}``. Each run is a fresh process (``bench/_job.py``, through the launcher of
 ``bench/jobs.py``, interleaved, warm page cache, output deleted and synced between runs);
 ``--baseline SRC`` adds a **before** column importing weightmap from another tree's ``src/``
-(e.g. one unpacked with ``git archive``). Prints a Markdown table of medians: the operation's
-time, the whole process's, their ratios to ``cp -r`` + fsync, and the peak RSS with what it
-grew by per tensor during the conversion (``ru_maxrss`` after, less before, over the tensors).
+(e.g. one unpacked with ``git archive``). Writes the section "Many tensors at scale" of
+docs/benchmarks.md (``--no-write``: print it only): a table of medians, the operation's time,
+the whole process's, their ratios to ``cp -r`` + fsync, and the peak RSS with what it grew by
+per tensor during the conversion (``ru_maxrss`` after, less before, over the tensors).
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from pathlib import Path
 
 from common import HERE
 from jobs import SOURCES, Launcher, Runner, Samples
+from sections import write_section
+
+SECTION = "## Many tensors at scale"
 
 MAPPING = (
     'weightmap 1\nrename "model.layers.{n}.mlp.experts.{rest*}" -> "layers.{n}.experts.{rest}"\n'
@@ -88,6 +93,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="a src/ tree to run as the before column")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one)")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args()
     launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
     workdir = Path(tempfile.mkdtemp(prefix="weightmap-many-", dir=args.workdir))
@@ -110,23 +116,34 @@ def main() -> None:
         launcher.close()
         shutil.rmtree(workdir, ignore_errors=True)
     cp = samples["cp -r + fsync"]
-    print(
-        f"{args.tensors:,} tensors in {args.shards} shards, {nbytes / 1e9:.2f} GB, renamed; "
-        f"medians of {args.repeat} runs ({HERE.name}/bench_many.py)\n"
-    )
-    print("| tool | operation | whole process | operation / cp | process / cp | peak RSS "
-          "| RSS grown per tensor |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    lines = [
+        SECTION,
+        "",
+        f"{args.tensors:,} bf16 [32, 64] tensors in {args.shards} shards, "
+        f"{nbytes / 1e9:.2f} GB, every tensor renamed; medians of {args.repeat} runs, each a "
+        "fresh process, interleaved, warm page cache"
+        + (f"; **before** is the tree `{args.baseline.name}`" if args.baseline else "")
+        + f". `python {HERE.name}/bench_many.py` ({time.strftime('%Y-%m-%d')}, "
+        f"{os.uname().machine}, {os.cpu_count()} cores).",
+        "",
+        "| tool | operation | whole process | operation / cp | process / cp | peak RSS "
+        "| RSS grown per tensor |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, s in samples.items():
         if s.failures:
-            print(f"| {name} | failed: {s.failures[0]} | | | | | |")
+            lines.append(f"| {name} | failed: {s.failures[0]} | | | | | |")
         elif name == "cp -r + fsync":
-            print(
+            lines.append(
                 f"| {name} | {s.median('seconds'):.3f} s | {s.median('process'):.3f} s "
                 f"| 1.00x | 1.00x | {s.median('rss_peak'):,.1f} MiB | |"
             )
         else:
-            print(_row(name, s, cp, args.tensors))
+            lines.append(_row(name, s, cp, args.tensors))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,13 @@ def write_checkpoint(folder: Path, gb: float) -> int:
 
 
 def _digest(out: Path) -> str:
+    """One hash of every file of the output (an 8 GB output is two shards and an index)."""
     h = hashlib.sha256()
-    with (out / "model.safetensors").open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
+    for path in sorted(out.iterdir()):
+        h.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
     return h.hexdigest()
 
 

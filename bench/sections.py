@@ -15,6 +15,8 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 KEPT = (
     "## Several inputs",  # bench/bench_several.py
     "## Start-up",  # bench/bench_startup.py
+    "## The write path",  # bench/bench_write.py
+    "## Many tensors at scale",  # bench/bench_many.py
     "## fp8 dequantization",  # bench/bench_fp8.py
     "## PyTorch checkpoints",  # bench/bench_pickle.py, written from its table
     "## Past one machine",  # bench/bench_ray.py
