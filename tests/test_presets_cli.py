@@ -100,3 +100,44 @@ def test_every_preset_names_what_it_accepts() -> None:
         preset = load_preset(name)
         lines = preset.text.splitlines()
         assert lines[0] == "weightmap 1" and lines[1].startswith("# "), name
+
+
+def _listing(env: dict[str, str]) -> tuple[str, bool]:
+    """``weightmap presets`` in a fresh process: what it prints, and whether it imported the
+    rule language."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from weightmap.cli import main; main(['presets']); "
+        "print('weightmap.language.mapping' in sys.modules, file=sys.stderr)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    return r.stdout, r.stderr.strip().splitlines()[-1] == "True"
+
+
+def test_the_listing_is_kept_and_made_again_when_what_it_is_made_from_changes(
+    tmp_path: Path,
+) -> None:
+    """The rows ``presets`` lists come from the per-user cache once made (the rule language is
+    not imported), are the rows made without the cache, and a listing kept under another key
+    (another preset text or code) is not used."""
+    import pickle
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    fresh, imported = _listing({**env, "WEIGHTMAP_PARSER_CACHE": "0"})
+    assert imported
+    first, imported = _listing(env)
+    assert first == fresh and imported  # (made, and kept)
+    kept, imported = _listing(env)
+    assert kept == fresh and not imported
+    listing = tmp_path / "weightmap" / "presets-listing.pickle"
+    _, rows = pickle.loads(listing.read_bytes())
+    rows[0] = ("stale", "a listing of other presets", "(none)", "any")
+    listing.write_bytes(pickle.dumps(("another key", rows)))
+    again, imported = _listing(env)
+    assert again == fresh and imported

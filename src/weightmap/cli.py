@@ -470,12 +470,42 @@ def _applies(name: str, checkpoint: str) -> tuple[bool, str]:
     return True, "applies"
 
 
-def _cmd_presets(args: argparse.Namespace) -> int:
+def _preset_rows() -> list[tuple[str, str, str, str]]:
+    """Each preset's name, description, parameters and model types, as ``presets`` lists them.
+
+    Making them loads every preset, which imports the rule language: half of the command's
+    time. They are kept in the per-user cache (``language/cache.py``) under a hash of all
+    they are made from (the preset files, the language's code, this module), and made again
+    when any of it changes."""
+    from weightmap.language import cache
+
+    key = cache.listing_key(Path(__file__).read_bytes())
+    kept = cache.load_listing(key)
+    if isinstance(kept, list) and all(
+        isinstance(row, tuple) and len(row) == 4 and all(isinstance(x, str) for x in row)
+        for row in kept
+    ):
+        return kept
     from weightmap.language.mapping import load_preset, preset_names
 
+    rows = []
+    for name in preset_names():
+        preset = load_preset(name)
+        params = ", ".join(f"{k}={json.dumps(v)}" for k, v in preset.param_defaults.items())
+        types = _model_types(preset.program.stmts)
+        rows.append(
+            (name, _description(preset.text), params or "(none)", ", ".join(types or ["any"]))
+        )
+    cache.save_listing(key, rows)
+    return rows
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
     if args.for_checkpoint is not None:
         if args.name is not None:
             raise UsageError("give a preset NAME or --for CHECKPOINT, not both")
+        from weightmap.language.mapping import preset_names
+
         names = preset_names()
         width = max([len(n) for n in names] + [4])
         for name in names:
@@ -483,16 +513,15 @@ def _cmd_presets(args: argparse.Namespace) -> int:
             print(f"{name:<{width}}  {why if ok or why.startswith('applies') else 'no: ' + why}")
         return 0
     if args.name is None:
-        names = preset_names()
-        width = max([len(n) for n in names] + [4])
-        for name in names:
-            preset = load_preset(name)
-            print(f"{name:<{width}}  {_description(preset.text)}")
-            params = ", ".join(f"{k}={json.dumps(v)}" for k, v in preset.param_defaults.items())
-            types = _model_types(preset.program.stmts)
-            print(f"{'':<{width}}  params: {params or '(none)'}")
-            print(f"{'':<{width}}  model types: {', '.join(types) if types else 'any'}")
+        rows = _preset_rows()
+        width = max([len(row[0]) for row in rows] + [4])
+        for name, description, params, types in rows:
+            print(f"{name:<{width}}  {description}")
+            print(f"{'':<{width}}  params: {params}")
+            print(f"{'':<{width}}  model types: {types}")
         return 0
+    from weightmap.language.mapping import load_preset
+
     preset = load_preset(args.name)
     print(preset.text.rstrip())
     print()

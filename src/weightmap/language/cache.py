@@ -1,5 +1,6 @@
 """The rule language's per-user caches, kept between processes: the built parser (see
-``grammar.py``) and the parsed program of each mapping text (see ``parse.py``).
+``grammar.py``), the parsed program of each mapping text (see ``parse.py``), and the rows
+``weightmap presets`` lists (see ``cli.py``: making them imports the whole language).
 
 Building the parser takes ~0.1 s, and parsing a mapping with it ~0.06 s for a preset of 130
 lines (lark's tree building, and the lexer's regular expressions compiled in each new
@@ -7,7 +8,7 @@ process): most of a conversion that only renames. Loading either from a pickle t
 milliseconds. Pickles run code when loaded, so the caches live only in a folder that this user
 owns and nobody else can write (never a shared temporary folder, never one named by a relative
 ``XDG_CACHE_HOME``); every file is written to a temporary name and renamed into place, and one
-that does not load is removed. ``WEIGHTMAP_PARSER_CACHE=0`` turns both off.
+that does not load is removed. ``WEIGHTMAP_PARSER_CACHE=0`` turns them all off.
 """
 
 from __future__ import annotations
@@ -25,14 +26,27 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from weightmap.language.resources import read_text
+from weightmap.language.resources import data_dir, read_text
 
-__all__ = ["folder", "load", "program_file", "program_key", "prune_programs", "save", "versions"]
+__all__ = [
+    "folder",
+    "listing_key",
+    "load",
+    "load_listing",
+    "program_file",
+    "program_key",
+    "prune_programs",
+    "save",
+    "save_listing",
+    "versions",
+]
 
 # Parsed programs kept; past this many, the oldest go. A program is a few KB, and a user's
 # mappings are few; code that makes mapping texts by the thousand (tests) must not fill a disk.
 MAX_PROGRAMS = 256
 _PROGRAM_PREFIX = "program-"
+# The rows `weightmap presets` lists, with the key they were made under (one file, replaced).
+_LISTING = "presets-listing.pickle"
 
 
 def folder() -> str | None:
@@ -193,3 +207,43 @@ def prune_programs(where: str, keep: int | None = None) -> None:
         for entry in found[: len(found) - keep * 3 // 4]:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
+
+
+def listing_key(maker: bytes) -> str | None:
+    """The key of the presets' listing: a hash of every preset file, the language's code
+    (``_code_digest``) and ``maker``, the code that makes the rows; None where the code cannot
+    be read (then the listing is not cached)."""
+    code = _code_digest()
+    if code is None:
+        return None
+    h = hashlib.sha256(code.encode() + b"\0" + maker + b"\0")
+    try:
+        presets = sorted(
+            (p for p in data_dir("mappings").iterdir() if p.name.endswith(".wm")),
+            key=lambda p: p.name,
+        )
+        for preset in presets:
+            h.update(preset.name.encode() + b"\0" + preset.read_bytes() + b"\0")
+    except OSError:  # (FileNotFoundError included: no mappings folder)
+        return None
+    return h.hexdigest()
+
+
+def load_listing(key: str | None) -> Any | None:
+    """The listing saved under ``key``, or None (no cache, none saved, or another key's)."""
+    where = folder()
+    if where is None or key is None:
+        return None
+    found = load(os.path.join(where, _LISTING))
+    if isinstance(found, tuple) and len(found) == 2 and found[0] == key:
+        return found[1]
+    return None
+
+
+def save_listing(key: str | None, rows: object) -> None:
+    """Keep ``rows`` as the listing of ``key`` (nothing where there is no cache)."""
+    where = folder()
+    if where is None or key is None:
+        return
+    with contextlib.suppress(OSError):
+        save((key, rows), os.path.join(where, _LISTING))
