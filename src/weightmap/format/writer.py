@@ -254,6 +254,7 @@ class CheckpointWriter:
         # Shard number -> its O_DIRECT descriptor (None: none, the page cache it is), opened
         # on the first large write into the shard; see write().
         self._direct: dict[int, int | None] = {}
+        self._direct_fds: list[int] = []  # every one opened, closed at commit or abort
         self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "1") != "0"
         self._stage = threading.local()  # each thread's page-aligned staging buffer
         self._src: dict[int, int] = {}  # input file number -> read-only fd
@@ -439,7 +440,7 @@ class CheckpointWriter:
                     raise
                 with self._lock:  # refused: this shard is written through the cache from now
                     self._direct[shard] = None
-                os.close(direct)
+                # (Left open until the commit: another thread may be writing through it.)
                 direct = None
         if direct is None:
             pwrite_all(fd, data, position)
@@ -458,7 +459,10 @@ class CheckpointWriter:
             return None
         with self._lock:
             if shard not in self._direct:
-                self._direct[shard] = open_direct(self.tmp / self.shards[shard].filename)
+                fd = open_direct(self.tmp / self.shards[shard].filename)
+                self._direct[shard] = fd
+                if fd is not None:
+                    self._direct_fds.append(fd)
             return self._direct[shard]
 
     def _staging(self) -> memoryview:
@@ -470,7 +474,7 @@ class CheckpointWriter:
 
     def _close_direct(self) -> None:
         with self._lock:
-            fds = [fd for fd in self._direct.values() if fd is not None]
+            fds, self._direct_fds = self._direct_fds, []
             self._direct.clear()
         for fd in fds:
             with contextlib.suppress(OSError):
