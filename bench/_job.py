@@ -1,7 +1,7 @@
 """One measured job, run in a fresh process by ``bench/run.py``; prints one JSON line.
 
     python bench/_job.py weightmap SRC DST (--mapping FILE | --preset NAME) [--torch]
-                                                [--page-cache]
+                                                [--direct]
     python bench/_job.py inplace SRC --mapping FILE --back FILE
     python bench/_job.py naive SRC DST OP        # OP: rename, to-f32, to-bf16, split, transpose
     python bench/_job.py cp SRC DST [--fsync]
@@ -207,8 +207,8 @@ class StageTimer:
 
 
 def job_weightmap(args: argparse.Namespace) -> dict[str, Any]:
-    if args.page_cache:  # every byte through the page cache, as before direct writes
-        os.environ["WEIGHTMAP_DIRECT_IO"] = "0"
+    if args.direct:  # computed chunks past the page cache (opt-in)
+        os.environ["WEIGHTMAP_DIRECT_IO"] = "1"
     if args.torch:
         # A computing plan needs torch; import it before the clock, as the naive script does.
         import torch  # noqa: F401
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch", action="store_true", help="import torch before timing")
     p.add_argument("--set", action="append", help="KEY=JSON, a mapping param")
     p.add_argument("--input", action="append", help="NAME=PATH, a declared input")
-    p.add_argument("--page-cache", action="store_true", help="WEIGHTMAP_DIRECT_IO=0")
+    p.add_argument("--direct", action="store_true", help="WEIGHTMAP_DIRECT_IO=1")
     p.set_defaults(fn=job_weightmap)
     p = sub.add_parser("direct-write")
     p.add_argument("dst")

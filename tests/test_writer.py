@@ -409,7 +409,7 @@ def test_large_chunks_in_any_order_and_phase_give_the_reference_bytes(
 ) -> None:
     """Chunks of a megabyte and more, at offsets and from memory in every position relative to
     a disk block (bytes, unaligned views, views placed by ``phase``), written by four threads
-    in a shuffled order: the bytes of the reference, direct I/O on or off."""
+    in a shuffled order: the bytes of the reference, direct I/O on or off (the default)."""
     monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", direct)
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(1000, 1031), "c": torch.randn(777, 999)}
     specs = [_spec(n, t) for n, t in tensors.items()]
@@ -458,6 +458,7 @@ def test_a_refused_direct_write_is_written_through_the_cache(
         calls.append(args)
         raise OSError(errno.EINVAL, "Invalid argument")
 
+    monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", "1")
     monkeypatch.setattr(writer_module, "pwrite_direct", refuse)
     tensors = {"w": torch.randn(1024, 1024)}
     raw = _raw(tensors["w"])
@@ -467,3 +468,11 @@ def test_a_refused_direct_write_is_written_through_the_cache(
         w.write("w", raw[half:], half)
     assert len(calls) == 1
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == save(tensors)
+
+
+def test_direct_io_is_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIGHTMAP_DIRECT_IO", raising=False)
+    w = CheckpointWriter(tmp_path / "out", [TensorSpec("w", "F32", (2,))])
+    assert not w._use_direct
+    monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", "1")
+    assert CheckpointWriter(tmp_path / "out", [TensorSpec("w", "F32", (2,))])._use_direct

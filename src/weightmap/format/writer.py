@@ -255,7 +255,9 @@ class CheckpointWriter:
         # on the first large write into the shard; see write().
         self._direct: dict[int, int | None] = {}
         self._direct_fds: list[int] = []  # every one opened, closed at commit or abort
-        self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "1") != "0"
+        # Opt-in: measured here, the page cache was the faster path in steady state (and the
+        # first writes through it after direct ones were slow); see docs/benchmarks.md.
+        self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "0") == "1"
         self._stage = threading.local()  # each thread's page-aligned staging buffer
         self._src: dict[int, int] = {}  # input file number -> read-only fd
         self._clones: dict[int, bool] = {}  # input file number -> may clone into the output
@@ -423,10 +425,10 @@ class CheckpointWriter:
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting ``offset`` bytes into it.
 
-        Chunks of a megabyte or more go to the disk directly (O_DIRECT), past the page cache:
-        a computed tensor's bytes are written once and not read again, and copying them into
-        the cache, then writing the cache back, took twice the time of the direct write
-        (docs/benchmarks.md). Where the filesystem refuses, through the cache.
+        With ``WEIGHTMAP_DIRECT_IO=1``, chunks of a megabyte or more go to the disk directly
+        (O_DIRECT), past the page cache: a computed tensor's bytes are written once and not
+        read again, and where copying them into the cache is what limits the write (a fast
+        disk, a busy CPU) that copy is saved. Where the filesystem refuses, through the cache.
         """
         length = memoryview(data).nbytes
         fd, position = self._check(name, offset, length)
