@@ -122,7 +122,7 @@ def main() -> None:
         f"{args.tensors:,} bf16 [32, 64] tensors in {args.shards} shards, "
         f"{nbytes / 1e9:.2f} GB, every tensor renamed; medians of {args.repeat} runs, each a "
         "fresh process, interleaved, warm page cache"
-        + (f"; **before** is the tree `{args.baseline.name}`" if args.baseline else "")
+        + (f"; **before** imports weightmap from `{args.baseline}`" if args.baseline else "")
         + f". `python {HERE.name}/bench_many.py` ({time.strftime('%Y-%m-%d')}, "
         f"{os.uname().machine}, {os.cpu_count()} cores).",
         "",

@@ -123,9 +123,10 @@ def main() -> None:
         "`python -X importtime -c 'from weightmap.cli import main'` shows where the rest goes. "
         "`--help` imports weightmap's errors, text and cancel modules and the command line "
         "itself, nothing of the compiler, the executors, the parser or torch "
-        "(`tests/test_cli.py`); `presets` loads every preset (the parsed programs come from "
-        "the parser cache, but the rule language's modules are imported); `inspect` imports the "
-        "checkpoint reader.",
+        "(`tests/test_cli.py`); `presets` reads the listing kept in the per-user cache (made "
+        "once, by loading every preset, and again whenever a preset or the code changes); "
+        "`inspect` imports the checkpoint reader, not the layout planner. Each tree is "
+        "compiled to bytecode before it is timed, as an installed package is.",
         "",
     ]
     text = "\n".join(lines)

@@ -426,6 +426,29 @@ def test_help_imports_neither_the_compiler_nor_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_help_and_inspect_import_no_more_than_they_use(example: Path) -> None:
+    """`--help` never imports dataclasses (and inspect, ast, dis with it), and `inspect` of a
+    safetensors folder neither the layout planner nor the PyTorch archive reader's modules
+    (docs/benchmarks.md, start-up)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from weightmap import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('dataclasses', 'weightmap.format.layout', 'zipfile', "
+        "'pickle', 'ctypes') if m in sys.modules))\n"
+    )
+
+    def imported(*argv: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+
+    assert imported("--help") == "[]"
+    assert imported("inspect", str(example)) == "['dataclasses']"
+
+
 def test_the_parser_shows_the_library_s_choices() -> None:
     """The parser's copies of the layouts and load-check libraries (kept in cli.py so that
     building it imports nothing heavy) are the library's."""
