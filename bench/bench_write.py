@@ -2,6 +2,7 @@
 
     python bench/bench_write.py [--repeat 3] [--gb 4] [--baseline SRC] [--workdir DIR]
                                 [--no-write]
+    python bench/bench_write.py --in-a-row [--repeat 4] [--gb 2] [--baseline SRC]
 
 A checkpoint of bf16 [4096, 14336] tensors (4.1 GB by default; every byte written, from a
 repeated random block) is converted two ways: every tensor cast to f32 (twice the bytes
@@ -23,6 +24,11 @@ Each run is a fresh process (``bench/_job.py``), interleaved, warm page cache fo
 output deleted and synced between runs; medians, with peak RSS (``ru_maxrss``). The outputs
 of every weightmap variant are compared bit for bit with the first. Writes the section "The
 write path" of docs/benchmarks.md (``--no-write``: print it only).
+
+``--in-a-row`` measures the cast alone, each weightmap variant's runs one after the other (after
+one untimed run of it) instead of interleaved, with no settling write: the steady state of each
+way of writing, and what the first run through the page cache after direct ones costs. Writes
+the section "Direct writes".
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from checkpoints import warm
 from common import HERE
 from jobs import SOURCES, Launcher, Runner, Samples
 from sections import write_section
@@ -118,7 +125,11 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, help="a src/ tree to run as the before column")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one)")
     p.add_argument("--no-write", action="store_true", help="print the section only")
+    p.add_argument("--in-a-row", action="store_true", help="runs of one kind in a row")
     args = p.parse_args()
+    if args.in_a_row:
+        in_a_row(args)
+        return
     launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
     workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
     tables: list[str] = []
@@ -187,6 +198,61 @@ def main() -> None:
     )
     if not args.no_write:
         write_section(SECTION, text)
+
+
+def in_a_row(args: argparse.Namespace) -> None:
+    """The cast, each variant's runs in a row: direct, before (if given), this commit's
+    default, then direct again. Every run is listed, the first (untimed warm-up) apart."""
+    launcher = Launcher()
+    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
+    rows: list[str] = []
+    try:
+        src = workdir / "bf16"
+        nbytes = write_checkpoint(src, args.gb)
+        runner = Runner(workdir, launcher)
+        mapping = workdir / "cast.wm"
+        mapping.write_text(OPS["cast bf16 -> f32"][1])
+        wm = ["weightmap", str(src), str(runner.out), "--mapping", str(mapping), "--torch"]
+        order = [("past the page cache (`WEIGHTMAP_DIRECT_IO=1`)", "weightmap", [*wm, "--direct"])]
+        if args.baseline is not None:
+            SOURCES["before"] = args.baseline.resolve()
+            order.append(("through the page cache, **before**", "before", wm))
+        order.append(("through the page cache, this commit (the default)", "weightmap", wm))
+        order.append(("past the page cache, again", "weightmap", [*wm, "--direct"]))
+        for label, tool, argv in order:
+            runs = []
+            for _ in range(args.repeat + 1):
+                runner.clean()
+                for folder in (src,):
+                    warm(folder)
+                runs.append(runner.job(argv, tool=tool)["seconds"])
+            shown = ", ".join(f"{t:.2f}" for t in runs[1:])
+            rows.append(f"| {label} | {runs[0]:.2f} s | {shown} s |")
+            print(rows[-1], flush=True)
+        runner.clean()
+    finally:
+        launcher.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = "\n".join(
+        [
+            "## Direct writes (O_DIRECT): runs of one kind in a row",
+            "",
+            f"The cast of {nbytes / 1e9:.2f} GB of bf16 to f32 ({2 * nbytes / 1e9:.2f} GB "
+            "written, fsynced), each way of writing run "
+            f"{args.repeat + 1} times in a row, in the order of the rows, a fresh process each, "
+            "warm page cache for the input, no settling write. "
+            f"`python {HERE.name}/bench_write.py --in-a-row` ({time.strftime('%Y-%m-%d')}, "
+            f"{os.uname().machine}, {os.cpu_count()} cores).",
+            "",
+            "| writes | first run | the runs after it |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+    print(text)
+    if not args.no_write:
+        write_section("## Direct writes", text)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ KEPT = (
     "## Several inputs",  # bench/bench_several.py
     "## Start-up",  # bench/bench_startup.py
     "## The write path",  # bench/bench_write.py
+    "## Direct writes",  # bench/bench_write.py --in-a-row
     "## Many tensors at scale",  # bench/bench_many.py
     "## fp8 dequantization",  # bench/bench_fp8.py
     "## PyTorch checkpoints",  # bench/bench_pickle.py, written from its table

@@ -255,8 +255,8 @@ class CheckpointWriter:
         # on the first large write into the shard; see write().
         self._direct: dict[int, int | None] = {}
         self._direct_fds: list[int] = []  # every one opened, closed at commit or abort
-        # Opt-in: measured here, the page cache was the faster path in steady state (and the
-        # first writes through it after direct ones were slow); see docs/benchmarks.md.
+        # Opt-in: on the disk measured, neither way won every time, and the first writes
+        # through the page cache after direct ones were slow (docs/benchmarks.md).
         self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "0") == "1"
         self._stage = threading.local()  # each thread's page-aligned staging buffer
         self._src: dict[int, int] = {}  # input file number -> read-only fd
