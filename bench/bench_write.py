@@ -190,8 +190,12 @@ def main() -> None:
             "fresh process, interleaved, warm page cache for the input; weightmap's outputs "
             "compared bit for bit (through the page cache and past it"
             + (", and **before**" if args.baseline is not None else "")
-            + "; in each round **before** runs right after the direct-write job and its "
-            "settling write, which the section below shows is not always enough"
+            + (
+                "; in each round **before** runs right after the direct-write job and its "
+                "settling write, which is not always enough (section Direct writes)"
+                if args.baseline is not None
+                else ""
+            )
             + f"). `python {HERE.name}/bench_write.py` ({time.strftime('%Y-%m-%d')}, "
             f"{os.uname().machine}, {os.cpu_count()} cores).",
             "",
