@@ -172,7 +172,6 @@ class Computer:
             # Joined straight into the thread's buffer (the ranks of a tensor-parallel
             # checkpoint along dim 1): a fresh tensor per chunk would leave chunk-sized blocks
             # to the allocator, several per thread.
-            import torch
 
             def sub(n: Node, d: int, lo: int, hi: int) -> torch.Tensor:
                 return region(n, d, lo, hi, self.ckpt.view, name, seen)
@@ -181,9 +180,17 @@ class Computer:
             shape = list(node.shape)
             shape[dim] = stop - start
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(shape))
-            torch.cat(pieces, node.dim, out=out)
+            # Piece by piece, each one's input unmapped once it is copied (the views of the
+            # pieces not yet copied are unmapped before they are read: nothing is lost), so
+            # one piece's pages are mapped at a time, not the whole chunk's (8 ranks' worth).
+            at = 0
+            for piece in pieces:
+                n = piece.shape[node.dim]
+                out.narrow(node.dim, at, n).copy_(piece)
+                at += n
+                self._release(seen)
             del pieces
-            self._release_early(seen)
+            seen.clear()
             return _memory(out)
         part = region(node, dim, start, stop, self.ckpt.view, name, seen)
         if part.is_contiguous():
