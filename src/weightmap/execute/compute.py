@@ -173,22 +173,26 @@ class Computer:
             # checkpoint along dim 1): a fresh tensor per chunk would leave chunk-sized blocks
             # to the allocator, several per thread.
 
+            ends: list[int] = []  # where each piece's input views end in ``seen``
+
             def sub(n: Node, d: int, lo: int, hi: int) -> torch.Tensor:
-                return region(n, d, lo, hi, self.ckpt.view, name, seen)
+                piece = region(n, d, lo, hi, self.ckpt.view, name, seen)
+                ends.append(len(seen))
+                return piece
 
             pieces = concat_pieces(node, dim, start, stop, sub)
             shape = list(node.shape)
             shape[dim] = stop - start
             out = self._buffer(DTYPES[node.dtype].torch(), tuple(shape))
-            # Piece by piece, each one's input unmapped once it is copied (the views of the
-            # pieces not yet copied are unmapped before they are read: nothing is lost), so
-            # one piece's pages are mapped at a time, not the whole chunk's (8 ranks' worth).
-            at = 0
-            for piece in pieces:
+            # Piece by piece, each one's input unmapped once it is copied, so one piece's
+            # pages are mapped at a time, not the whole chunk's (8 ranks' worth).
+            at, begin = 0, 0
+            for piece, end in zip(pieces, ends, strict=True):
                 n = piece.shape[node.dim]
                 out.narrow(node.dim, at, n).copy_(piece)
                 at += n
-                self._release(seen)
+                self._release(seen[begin:end])
+                begin = end
             del pieces
             seen.clear()
             return _memory(out)
