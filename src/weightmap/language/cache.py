@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from weightmap.language.resources import data_dir, read_text
+from weightmap.language.resources import PRESET_SUFFIX, data_dir, preset_names, read_text
 
 __all__ = [
     "folder",
@@ -218,13 +218,10 @@ def listing_key(maker: bytes) -> str | None:
         return None
     h = hashlib.sha256(code.encode() + b"\0" + maker + b"\0")
     try:
-        presets = sorted(
-            (p for p in data_dir("mappings").iterdir() if p.name.endswith(".wm")),
-            key=lambda p: p.name,
-        )
-        for preset in presets:
-            h.update(preset.name.encode() + b"\0" + preset.read_bytes() + b"\0")
-    except OSError:  # (FileNotFoundError included: no mappings folder)
+        for name in preset_names():
+            text = data_dir("mappings").joinpath(name + PRESET_SUFFIX).read_bytes()
+            h.update(name.encode() + b"\0" + text + b"\0")
+    except OSError:
         return None
     return h.hexdigest()
 

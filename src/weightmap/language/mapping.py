@@ -20,7 +20,7 @@ from weightmap.format.names import CONFIG_NAME
 from weightmap.language import ast as A
 from weightmap.language.expr import closest, compile_expr, did_you_mean, resolve_dtype
 from weightmap.language.parse import parse_program
-from weightmap.language.resources import data_dir
+from weightmap.language.resources import PRESET_SUFFIX, data_dir, preset_names
 from weightmap.language.values import TENSOR_NAMES, WORK_LIMIT, EvalError, Scope
 
 __all__ = [
@@ -32,8 +32,6 @@ __all__ = [
     "preset_names",
     "resolve_mapping",
 ]
-
-PRESET_SUFFIX = ".wm"
 
 
 @dataclass(frozen=True, eq=False)
@@ -528,17 +526,6 @@ def resolve_mapping(
                 "`weightmap 1`)"
             )
     return load_mapping(mapping)
-
-
-def preset_names() -> list[str]:
-    """The names of the presets shipped with weightmap, sorted."""
-    try:
-        folder = data_dir("mappings")
-    except FileNotFoundError:
-        return []
-    return sorted(
-        p.name[: -len(PRESET_SUFFIX)] for p in folder.iterdir() if p.name.endswith(PRESET_SUFFIX)
-    )
 
 
 def _preset_text(name: str, loc: A.Loc | None = None) -> str:

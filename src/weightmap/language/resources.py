@@ -17,9 +17,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     from importlib.abc import Traversable
 
-__all__ = ["data_dir", "read_text"]
+__all__ = ["PRESET_SUFFIX", "data_dir", "preset_names", "read_text"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[3]
+PRESET_SUFFIX = ".wm"
 
 
 def data_dir(folder: str) -> Traversable:
@@ -38,3 +39,14 @@ def data_dir(folder: str) -> Traversable:
 def read_text(folder: str, name: str) -> str:
     """Read one file of package data as UTF-8 text."""
     return data_dir(folder).joinpath(name).read_text(encoding="utf-8")
+
+
+def preset_names() -> list[str]:
+    """The names of the presets shipped with weightmap (``mappings/<name>.wm``), sorted."""
+    try:
+        folder = data_dir("mappings")
+    except FileNotFoundError:
+        return []
+    return sorted(
+        p.name[: -len(PRESET_SUFFIX)] for p in folder.iterdir() if p.name.endswith(PRESET_SUFFIX)
+    )
