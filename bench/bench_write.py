@@ -39,7 +39,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,22 @@ def _row(name: str, s: Samples, limit: float) -> str:
     return f"| {name} | {wall:.2f} s | {ratio} | {s.median('rss_peak'):,.0f} MiB |"
 
 
+@contextmanager
+def _setup(args: argparse.Namespace) -> Iterator[tuple[Launcher, Path, Path, int]]:
+    """The launcher, a scratch folder and the checkpoint in it (``args.gb``), with its bytes;
+    the baseline tree registered as **before**. Everything is removed afterwards."""
+    launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
+    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
+    try:
+        if args.baseline is not None:
+            SOURCES["before"] = args.baseline.resolve()
+        src = workdir / "bf16"
+        yield launcher, workdir, src, write_checkpoint(src, args.gb)
+    finally:
+        launcher.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
@@ -130,16 +147,10 @@ def main() -> None:
     if args.in_a_row:
         in_a_row(args)
         return
-    launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
     tables: list[str] = []
-    try:
-        src = workdir / "bf16"
-        nbytes = write_checkpoint(src, args.gb)
+    with _setup(args) as (launcher, workdir, src, nbytes):
         runner = _Settling(workdir, launcher)
         out = str(runner.out)
-        if args.baseline is not None:
-            SOURCES["before"] = args.baseline.resolve()
         for title, (op, mapping_text) in OPS.items():
             mapping = workdir / f"{op}.wm"
             mapping.write_text(mapping_text)
@@ -179,9 +190,6 @@ def main() -> None:
             ]
             tables += rows
             print("\n".join(rows), flush=True)
-    finally:
-        launcher.close()
-        shutil.rmtree(workdir, ignore_errors=True)
     text = "\n".join(
         [
             SECTION,
@@ -209,19 +217,14 @@ def main() -> None:
 def in_a_row(args: argparse.Namespace) -> None:
     """The cast, each variant's runs in a row: direct, before (if given), this commit's
     default, then direct again. Every run is listed, the first (untimed warm-up) apart."""
-    launcher = Launcher()
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
     rows: list[str] = []
-    try:
-        src = workdir / "bf16"
-        nbytes = write_checkpoint(src, args.gb)
+    with _setup(args) as (launcher, workdir, src, nbytes):
         runner = Runner(workdir, launcher)
         mapping = workdir / "cast.wm"
         mapping.write_text(OPS["cast bf16 -> f32"][1])
         wm = ["weightmap", str(src), str(runner.out), "--mapping", str(mapping), "--torch"]
         order = [("past the page cache (`WEIGHTMAP_DIRECT_IO=1`)", "weightmap", [*wm, "--direct"])]
         if args.baseline is not None:
-            SOURCES["before"] = args.baseline.resolve()
             order.append(("through the page cache, **before**", "before", wm))
         order.append(("through the page cache, this commit (the default)", "weightmap", wm))
         order.append(("past the page cache, again", "weightmap", [*wm, "--direct"]))
@@ -229,16 +232,12 @@ def in_a_row(args: argparse.Namespace) -> None:
             runs = []
             for _ in range(args.repeat + 1):
                 runner.clean()
-                for folder in (src,):
-                    warm(folder)
+                warm(src)
                 runs.append(runner.job(argv, tool=tool)["seconds"])
             shown = ", ".join(f"{t:.2f}" for t in runs[1:])
             rows.append(f"| {label} | {runs[0]:.2f} s | {shown} s |")
             print(rows[-1], flush=True)
         runner.clean()
-    finally:
-        launcher.close()
-        shutil.rmtree(workdir, ignore_errors=True)
     text = "\n".join(
         [
             "## Direct writes (O_DIRECT): runs of one kind in a row",
