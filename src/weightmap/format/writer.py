@@ -61,6 +61,7 @@ from weightmap.fs.atomic import (
     temporary_path,
 )
 from weightmap.fs.cancel import keep_open_elsewhere
+from weightmap.fs.safeopen import fd_path
 
 __all__ = [
     "CheckpointWriter",
@@ -461,7 +462,9 @@ class CheckpointWriter:
             return None
         with self._lock:
             if shard not in self._direct:
-                fd = open_direct(self.tmp / self.shards[shard].filename)
+                # The very file of the shard's descriptor, not whatever its name holds now.
+                named = self.tmp / self.shards[shard].filename
+                fd = open_direct(fd_path(self._fds[shard], named))
                 self._direct[shard] = fd
                 if fd is not None:
                     self._direct_fds.append(fd)
