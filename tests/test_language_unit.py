@@ -10,6 +10,7 @@ from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, MappingSyntaxError
 from weightmap.format.dtypes import TensorSpec as T
 from weightmap.language import mapping as _mapping
+from weightmap.language import resources
 from weightmap.language.mapping import load_mapping, load_preset, preset_names
 from weightmap.plan.nodes import Cast, Source
 from weightmap.plan.plan import Plan
@@ -136,6 +137,7 @@ def test_include_and_cycle(tmp_path: Path) -> None:
 def test_presets_from_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "tiny.wm").write_text('weightmap 1\nkeep "**"\n')
     monkeypatch.setattr(_mapping, "data_dir", lambda folder: tmp_path)
+    monkeypatch.setattr(resources, "data_dir", lambda folder: tmp_path)  # (preset_names')
     assert preset_names() == ["tiny"]
     assert load_preset("tiny").name == "tiny"
     with pytest.raises(MappingError, match="no preset named 'nope'"):
