@@ -22,7 +22,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -228,7 +228,7 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
         futures = [pool.submit(task) for task in tasks]
         # Woken by the first failure, not by the first future in order (which may be the
         # largest tensor, still running).
-        wait(futures, return_when=FIRST_EXCEPTION)
+        _wait_first_failure(futures)
         for f in futures:
             if f.done():
                 f.result()
@@ -237,6 +237,38 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+# How often the thread waiting on the workers wakes to run pending signal handlers (seconds).
+_WAKE_EVERY = 0.05
+
+
+def _wait_first_failure(futures: Sequence[Future[None]]) -> None:
+    """Return once every future is done or one has failed.
+
+    ``concurrent.futures.wait`` takes every future's lock in turn before it waits: a
+    KeyboardInterrupt from the signal handler between two of those leaves the ones taken held,
+    the next worker to finish blocks on its future's lock for ever, and the clean-up waiting for
+    the workers never returns (seen with 128 futures and a Ctrl-C just after the start). Here
+    the only wait is on an Event, which a KeyboardInterrupt leaves as it found it. Bounded
+    slices, so that a signal's handler runs within one whatever thread the signal reached.
+    """
+    finished = threading.Event()
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def on_done(f: Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0 or f.cancelled() or f.exception() is not None:
+                finished.set()
+
+    for f in futures:
+        f.add_done_callback(on_done)
+    # In slices: a signal the kernel hands to a worker thread wakes no one, and its handler
+    # runs only when this thread next runs Python code (a Ctrl-C waited for the whole run).
+    while futures and not finished.wait(_WAKE_EVERY):
+        pass
 
 
 def execute(
