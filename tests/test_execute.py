@@ -16,6 +16,7 @@ import weightmap
 from strategies import cases, src
 from weightmap.errors import CheckpointError, ExecutionError, PlanError
 from weightmap.execute.chunks import chunk_plan, region, scratch
+from weightmap.execute.compute import _Arena
 from weightmap.execute.inplace import recover, rewrite_inplace
 from weightmap.execute.kernels import evaluate, tensor_bytes
 from weightmap.execute.segments import byte_segments
@@ -481,3 +482,40 @@ def test_region_copies_go_into_the_same_scratch_slots_chunk_after_chunk() -> Non
         assert torch.equal(region(top, 0, lo, hi, inputs.__getitem__, "t"), expected[lo:hi])
     # (A slot taken by the region computed outside ``scratch`` would show in its chunk's list.)
     assert taken[0] and all(t == taken[0] for t in taken), taken
+
+
+def test_a_thread_keeps_the_most_one_chunk_took_not_each_slots_largest() -> None:
+    """A join's output buffer (one slot) and a rotary permute's two copies (two other slots)
+    are never live in the same chunk: the thread's block grows to the larger of the two
+    chunks, not to the sum of every slot's largest; buffers of one chunk never overlap."""
+    mib = 2**20
+    arena = _Arena()
+
+    def chunk(*sizes: int) -> list[torch.Tensor]:
+        arena.start()
+        return [arena.take(size * mib, slot) for slot, size in enumerate(sizes, start=8)]
+
+    def spans(rooms: list[torch.Tensor]) -> list[tuple[int, int]]:
+        return sorted((r.data_ptr(), r.data_ptr() + r.numel()) for r in rooms)
+
+    (join,) = chunk(8)
+    assert join.numel() == 8 * mib and arena.block is not None
+    first = arena.block.data_ptr()
+    permute = chunk(3, 4)  # fits in the join's block: no new memory
+    assert arena.block.data_ptr() == first
+    assert all(first <= lo and hi <= first + arena.block.numel() for lo, hi in spans(permute))
+    (a, b), (c, d) = spans(permute)
+    assert b <= c  # (distinct bytes)
+    wider = chunk(5, 5)  # the second does not fit: its own tensor, the block grows next chunk
+    (a, b), (c, d) = spans(wider)
+    assert b <= c or d <= a
+    again = chunk(5, 5)
+    assert arena.block.numel() >= 10 * mib
+    assert all(
+        arena.block.data_ptr() <= lo and hi <= arena.block.data_ptr() + arena.block.numel()
+        for lo, hi in spans(again)
+    )
+    assert arena.block.numel() < (8 + 5 + 5) * mib  # what a buffer per slot would keep
+    # A slot taken twice in one chunk gets the same bytes when they are enough.
+    arena.start()
+    assert arena.take(mib, 0).data_ptr() == arena.take(mib // 2, 0).data_ptr()

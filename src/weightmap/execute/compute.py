@@ -61,8 +61,8 @@ class Computer:
         self.chunk_bytes = chunk_bytes
         self.report = report
         self.checksums = checksums
-        # One output buffer per thread, reused chunk after chunk: a fresh allocation per chunk
-        # costs a page fault per page (and its zeroing) every time.
+        # Each thread's buffers (an _Arena), reused chunk after chunk: a fresh allocation per
+        # chunk costs a page fault per page (and its zeroing) every time.
         self._scratch = threading.local()
 
     def run(self, name: str, node: Node, rows: tuple[int, int] | None = None) -> int:
@@ -104,6 +104,7 @@ class Computer:
             if node.shape:
                 # The output buffer placed as the bytes land in a disk block (see _buffer).
                 self._scratch.phase = phase(name, offset) if phase is not None else 0
+                self._arena().start()
                 with scratch(self._buffer):  # (its buffers hold ``data`` until the next chunk)
                     data = self._chunk(node, dim, start, stop, name, seen)
             else:
@@ -253,28 +254,87 @@ class Computer:
             inverse[d] = i
         out.copy_(block.permute(inverse))
 
+    def _arena(self) -> _Arena:
+        arena: _Arena | None = getattr(self._scratch, "arena", None)
+        if arena is None:
+            arena = self._scratch.arena = _Arena()
+        return arena
+
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
-        """This thread's scratch buffer ``slot``, grown as needed, viewed as ``dtype[shape]``.
+        """This chunk's buffer ``slot`` on this thread (see ``_Arena``), as ``dtype[shape]``.
 
         The output buffer (slot 0) starts where the chunk's first byte lands in a disk block
         (``phase``): the writer then sends its whole blocks to the disk straight from it,
         where a buffer placed anywhere would be copied into an aligned one first.
         """
-        import torch
-
         size = numel(shape) * dtype.itemsize
-        room = size + (DIRECT_ALIGN if slot == 0 else 0)
-        bufs: dict[int, torch.Tensor] = self._scratch.__dict__.setdefault("bufs", {})
-        buf = bufs.get(slot)
-        if buf is None or buf.numel() < room:
-            bufs.pop(slot, None)  # let the old buffer go before allocating the larger one
-            buf = bufs[slot] = torch.empty(room, dtype=torch.uint8)
+        room = self._arena().take(size + (DIRECT_ALIGN if slot == 0 else 0), slot)
         shift = 0
         if slot == 0:
-            shift = (getattr(self._scratch, "phase", 0) - buf.data_ptr()) % DIRECT_ALIGN
+            shift = (getattr(self._scratch, "phase", 0) - room.data_ptr()) % DIRECT_ALIGN
             if shift % 8:  # (a dtype view needs its elements' alignment: no shift then)
                 shift = 0
-        return buf[shift : shift + size].view(dtype).view(shape)
+        return room[shift : shift + size].view(dtype).view(shape)
+
+
+class _Arena:
+    """One thread's scratch memory: every buffer a chunk takes (its output, a staged copy, the
+    copies ``region`` makes) is carved from one block, reused chunk after chunk.
+
+    The block grows to the most one chunk held at once. Buffers kept per slot would each grow
+    to the largest its slot ever held, and a thread would keep their sum: a rotary permute's
+    two copies and a join's output buffer, never live in the same chunk, all stayed.
+    """
+
+    __slots__ = ("block", "taken", "used")
+
+    # Where each buffer starts in the block: a multiple of every dtype's alignment.
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self.block: torch.Tensor | None = None
+        self.used = 0  # bytes the current chunk has taken, padding included
+        self.taken: dict[int, torch.Tensor] = {}
+
+    def start(self) -> None:
+        """A new chunk: the block grown to what the last chunk took, taken from its start."""
+        if self.used > self._size():
+            self._grow(self.used)
+        self.used = 0
+        self.taken.clear()
+
+    def take(self, size: int, slot: int) -> torch.Tensor:
+        """``size`` bytes for ``slot`` in this chunk: the ones it took already if they are
+        enough, else the next free bytes of the block. A chunk's first buffer that does not
+        fit grows the block at once (nothing of the chunk is in it yet); a later one gets a
+        tensor of its own, and the block grows at the next chunk."""
+        import torch
+
+        room = self.taken.get(slot)
+        if room is not None and room.numel() >= size:
+            return room
+        at = -(-self.used // self._ALIGN) * self._ALIGN
+        self.used = at + size
+        if self.used > self._size() and not self.taken:
+            self._grow(self.used)
+        if self.block is not None and self.used <= self.block.numel():
+            room = self.block[at : self.used]
+        else:
+            room = torch.empty(size, dtype=torch.uint8)
+        self.taken[slot] = room
+        return room
+
+    def _size(self) -> int:
+        return 0 if self.block is None else self.block.numel()
+
+    def _grow(self, need: int) -> None:
+        """A block of at least ``need`` bytes, and a quarter more than the last one: chunks of
+        one tensor differ by a few rows, and each growth maps a new block and drops the old."""
+        import torch
+
+        size = max(need, self._size() * 5 // 4)
+        self.block = None  # (let the old block go before allocating the larger one)
+        self.block = torch.empty(size, dtype=torch.uint8)
 
 
 # How much of a memory-mapped input a strided gather reads before unmapping it (see
