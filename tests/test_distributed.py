@@ -177,7 +177,8 @@ def split(
             tasks = partition(plan, sources, writer, ckpt.headers, **options)  # type: ignore[arg-type]
         finally:
             writer.abort()
-    return tasks, [(len(s.header), s.size) for s in writer.shards]
+    sizes = [s.size for s in writer.shards]
+    return tasks, list(zip(writer.data_starts, sizes, strict=True))
 
 
 def _checkpoint(root: Path) -> Plan:

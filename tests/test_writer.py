@@ -75,6 +75,25 @@ def test_example_rewritten_byte_identical(example: Path, tmp_path: Path) -> None
     ).read_bytes()
 
 
+def test_the_writer_lets_the_headers_go_once_written(tmp_path: Path) -> None:
+    """A header holds a hundred bytes per tensor: once open() has written it, only where the
+    shard's data starts is kept, and the shards are still complete and right."""
+    tensors = {f"t{i}": torch.full((8,), float(i)) for i in range(40)}
+    specs = [_spec(n, t) for n, t in tensors.items()]
+    writer = CheckpointWriter(tmp_path / "out", specs, max_shard_size=400)
+    planned = [len(s.header) for s in writer.shards]
+    assert len(planned) > 1 and writer.data_starts == planned
+    with writer:
+        assert all(s.header == b"" for s in writer.shards)
+        for name, t in tensors.items():
+            writer.write(name, _raw(t))
+    for shard, start in zip(writer.shards, writer.data_starts, strict=True):
+        raw = (tmp_path / "out" / shard.filename).read_bytes()
+        assert 8 + int.from_bytes(raw[:8], "little") == start
+    with Checkpoint.open(tmp_path / "out") as ckpt:
+        assert all(torch.equal(ckpt.view(n), t) for n, t in tensors.items())
+
+
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -7,6 +7,7 @@ they all write the same shards, headers and bytes.
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Mapping, Sequence
 from operator import add, attrgetter, itemgetter, sub
 from pathlib import Path
@@ -135,7 +136,8 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     files = list(map(numbers.__getitem__, map(_FIRST, stored)))
     infos = list(map(_SECOND, stored))
     starts = [header.data_start for header in headers.values()]
-    offsets = list(map(add, map(starts.__getitem__, files), map(_BEGIN, infos)))
+    # (int64: the offsets are distinct, an int object of 32 bytes each in a list)
+    offsets = array("q", map(add, map(starts.__getitem__, files), map(_BEGIN, infos)))
     lengths = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
     return WholeOrigins(list(map(_NAME, outputs)), files, offsets, lengths)
 

@@ -12,6 +12,7 @@ import json
 import math
 import operator
 import re
+from array import array
 from bisect import bisect_left
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -175,13 +176,14 @@ class Offsets(Mapping[str, tuple[int, int]]):
     ``names[i]`` spans ``bounds[i]`` to ``bounds[i + 1]``.
 
     Two columns, where a dict keeps a pair and an entry per tensor (a hundred bytes more per
-    tensor, for the whole of a conversion of 100,000 of them). Looking a name up builds an
+    tensor, for the whole of a conversion of 100,000 of them); the bounds may be an int64
+    ``array``, 8 bytes each where a list holds an int object of 32. Looking a name up builds an
     index of the names once; iterating over the names or the items builds nothing.
     """
 
     __slots__ = ("_bounds", "_index", "_names")
 
-    def __init__(self, names: list[str], bounds: list[int]) -> None:
+    def __init__(self, names: list[str], bounds: Sequence[int]) -> None:
         if len(bounds) != len(names) + 1:
             raise ValueError("Offsets needs one bound more than names")
         self._names = names
@@ -225,7 +227,9 @@ class _OffsetItems(ItemsView[str, tuple[int, int]]):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One output file: its name, header bytes, and each tensor's absolute file offset."""
+    """One output file: its name, header bytes, and each tensor's absolute file offset.
+
+    (The writer keeps a copy with empty header bytes once it has written them.)"""
 
     filename: str
     header: bytes
@@ -339,7 +343,7 @@ class WholeOrigins(Mapping[str, Origin]):
     __slots__ = ("_index", "files", "lengths", "names", "offsets")
 
     def __init__(
-        self, names: list[str], files: list[int], offsets: list[int], lengths: list[int]
+        self, names: list[str], files: list[int], offsets: Sequence[int], lengths: list[int]
     ) -> None:
         if not len(names) == len(files) == len(offsets) == len(lengths):
             raise ValueError("the columns of WholeOrigins differ in length")
@@ -427,7 +431,7 @@ def plan_layout(
     ):
         header = len(text).to_bytes(8, "little") + text
         base = len(header)
-        offsets = Offsets(list(map(_NAME, order)), list(accumulate(sizes, initial=base)))
+        offsets = Offsets(list(map(_NAME, order)), array("q", accumulate(sizes, initial=base)))
         shards.append(ShardPlan(name, header, offsets, base + sum(sizes)))
         copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
     return Layout(tuple(shards), tuple(copies))

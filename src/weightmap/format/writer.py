@@ -20,7 +20,7 @@ import stat
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from json.encoder import encode_basestring_ascii  # what json.dumps uses by default
 from pathlib import Path
 from typing import Any
@@ -245,6 +245,9 @@ class CheckpointWriter:
         self.copies = planned.copies
         self._inputs = [Path(p) for p in inputs]
         # (The index lists the main checkpoint's shards, which come first; not the members'.)
+        # Where each shard's data starts: the headers themselves (a hundred bytes per tensor)
+        # are let go once open() has written them (``shards`` then hold empty ones).
+        self.data_starts = [len(s.header) for s in self.shards]
         self._total = sum(s.size - len(s.header) for s in self.shards[: self._main])
         # name -> (shard idx, begin, end), for the tensors written by name: made on the first
         # such write, as a conversion that only moves input bytes never asks.
@@ -305,11 +308,12 @@ class CheckpointWriter:
             self.tmp.mkdir()
             self._tmp_mode = stat.S_IMODE(self.tmp.stat().st_mode)
             os.chmod(self.tmp, 0o700)
-            for shard in self.shards:
+            for i, shard in enumerate(self.shards):
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
                 pwrite_all(fd, shard.header, 0)
                 os.ftruncate(fd, shard.size)
+                self.shards[i] = replace(shard, header=b"")  # (written: see data_starts)
             for number in sorted({c.file for c in self.copies}):
                 self._src[number] = os.open(self._inputs[number], os.O_RDONLY)
             self._probe_clones()
@@ -565,8 +569,10 @@ class CheckpointWriter:
         if self.tmp is None:
             raise ExecutionError(f"{self.dest}: the writer is not open")
         try:
-            for shard, written in zip(self.shards, self._written, strict=True):
-                expected = shard.size - len(shard.header)
+            for shard, start, written in zip(
+                self.shards, self.data_starts, self._written, strict=True
+            ):
+                expected = shard.size - start
                 if written != expected:
                     raise ExecutionError(
                         f"{self.dest}: {shard.filename} got {written:,} of its {expected:,} "
