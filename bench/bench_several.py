@@ -216,7 +216,9 @@ def main() -> None:
                 "weightmap", str(meta), out, "--preset", "llama-meta-ranks-to-hf",
                 "--torch", "--set", 'version="3"',
             ],
-            "weightmap, join only": ["weightmap", str(meta), out, "--mapping", str(join)],
+            "weightmap, join only": [
+                "weightmap", str(meta), out, "--mapping", str(join), "--torch",
+            ],
             "write_model (every rank loaded)": ["naive-ranks", str(meta), out],
             "cp -r + fsync": ["cp", str(meta), out, "--fsync"],
         }  # fmt: skip
@@ -297,8 +299,10 @@ def main() -> None:
         *_table(lora, "cp -r + fsync (the base)"),
         "",
         "The scripts' writeback is not in their time (they do not fsync; the sync between runs "
-        "takes it), weightmap's is. The join-only mapping moves bytes (a concatenation along "
-        "dim 0 is a copy of each rank's range; along dim 1 it is computed row by row); the "
+        "takes it), weightmap's is. Every clock but cp's starts after `import torch` (about a "
+        "second here), which the scripts and weightmap's computing plans all need. The "
+        "join-only mapping moves bytes (a concatenation along dim 0 is a copy of each rank's "
+        "range; along dim 1 it is computed row by row); the "
         "preset also permutes q and k, which is computed. A process that imports torch is at "
         "about 220 MiB of RSS before reading anything (a third of it torch's mapped "
         "libraries); weightmap's peak over that is the chunks in flight on its two writer "
