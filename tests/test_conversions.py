@@ -382,6 +382,9 @@ def test_every_example_is_tested() -> None:
         "gptq-dequant",  # tests/test_quant_formats.py
         "awq-dequant",  # tests/test_quant_formats.py
         "average",  # tests/test_several_inputs.py
+        "meta-ranks-to-hf",  # tests/test_several_inputs.py
+        "lora-merge",  # tests/test_several_inputs.py
+        "hf-to-meta-ranks",  # tests/test_several_outputs.py
     }
     assert set(dict(EXAMPLE.findall(LANGUAGE_DOC.read_text()))) == tested
 
@@ -391,7 +394,16 @@ def _lines(name: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-hf-to-meta", "moe-fuse", "gpt2-conv1d", "untie-embeddings"]
+    "name",
+    [
+        "llama-hf-to-meta",
+        "moe-fuse",
+        "gpt2-conv1d",
+        "untie-embeddings",
+        "meta-ranks-to-hf",
+        "hf-to-meta-ranks",
+        "lora-merge",
+    ],
 )
 def test_examples_stay_short(name: str) -> None:
     # The point of the language: each of these is a short, readable mapping.

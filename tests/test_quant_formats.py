@@ -614,10 +614,17 @@ lookup "codes", "table" -> "c"
     assert torch.equal(out["c"].view(torch.int32), table.view(torch.int32)[codes.long()])
 
 
-def test_gptq_and_awq_presets_from_the_command_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("desc_act", "with_g_idx", "group"), [(True, True, 32), (False, False, 16)]
+)
+def test_gptq_and_awq_presets_from_the_command_line(
+    tmp_path: Path, desc_act: bool, with_g_idx: bool, group: int
+) -> None:
+    """Both presets as a user runs them: GPTQ with act-order (g_idx) and without any g_idx
+    (groups in order), AWQ at two group sizes; every dequantized projection checked."""
     from weightmap import cli
 
-    tensors = _gptq_checkpoint(tmp_path / "gptq", desc_act=True)
+    tensors = _gptq_checkpoint(tmp_path / "gptq", desc_act=desc_act, with_g_idx=with_g_idx)
     code = cli.main(["convert", str(tmp_path / "gptq"), str(tmp_path / "gptq-out"), "--preset",
                      "gptq-dequant", "--set", "target=f16", "--quiet", "--verify"])  # fmt: skip
     assert code == 0
@@ -625,15 +632,15 @@ def test_gptq_and_awq_presets_from_the_command_line(tmp_path: Path) -> None:
     for name, t in _expect_gptq(tensors, 4).items():
         assert torch.equal(out[name], t.to(out[name].dtype)), name
     assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.float16
-    awq = _awq_checkpoint(tmp_path / "awq")
+    awq = _awq_checkpoint(tmp_path / "awq", group)
     code = cli.main(["convert", str(tmp_path / "awq"), str(tmp_path / "awq-out"), "--preset",
                      "awq-dequant", "--quiet"])  # fmt: skip
     assert code == 0
     out = load_file(tmp_path / "awq-out" / "model.safetensors")
-    base = "model.layers.0.mlp.up_proj"
-    ref = dequantize_gemm(awq[f"{base}.qweight"], awq[f"{base}.qzeros"], awq[f"{base}.scales"],
-                          4, 32).T  # fmt: skip
-    assert torch.equal(out[f"{base}.weight"], ref)
+    for base in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+        ref = dequantize_gemm(awq[f"{base}.qweight"], awq[f"{base}.qzeros"],
+                              awq[f"{base}.scales"], 4, group).T  # fmt: skip
+        assert torch.equal(out[f"{base}.weight"], ref), base
 
 
 # ---------------------------------------------------------------- the outputs load

@@ -395,12 +395,16 @@ def test_progress_without_its_actor(tmp_path: Path) -> None:
     assert sum(seen) == sum(s.nbytes for s in plan.output_specs())
 
 
-def test_gptq_dequant_on_ray_gives_the_local_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("desc_act", "with_g_idx"), [(True, True), (False, False)])
+def test_gptq_dequant_on_ray_gives_the_local_bytes(
+    tmp_path: Path, desc_act: bool, with_g_idx: bool
+) -> None:
     """The quantized formats' nodes (unpack, gather, sub, mul, transpose) run in Ray tasks as
-    locally: a GPTQ act-order checkpoint dequantized in row ranges that cut packed words."""
+    locally: a GPTQ checkpoint (act-order g_idx, or none: groups in order) dequantized in row
+    ranges that cut packed words."""
     from test_quant_formats import _expect_gptq, _gptq_checkpoint
 
-    tensors = _gptq_checkpoint(tmp_path / "src", desc_act=True)
+    tensors = _gptq_checkpoint(tmp_path / "src", desc_act=desc_act, with_g_idx=with_g_idx)
     plan = weightmap.compile(tmp_path / "src", preset="gptq-dequant")
     local, remote = local_and_ray(tmp_path / "src", plan, chunk_bytes=300, task_cost=64)
     assert folder_bytes(tmp_path / "src" / "ray") == folder_bytes(tmp_path / "src" / "local")
@@ -410,21 +414,69 @@ def test_gptq_dequant_on_ray_gives_the_local_bytes(tmp_path: Path) -> None:
             assert torch.equal(out.view(name), t), name
 
 
-def test_several_inputs_on_ray(tmp_path: Path) -> None:
-    """Meta's rank files (PyTorch pickles, read by each task under their rank's names) and a
-    LoRA merge: the cluster writes the local executor's bytes."""
-    from several import lora_pair, meta_ranks
+def test_awq_dequant_on_ray_gives_the_local_bytes(tmp_path: Path) -> None:
+    """AWQ's interleaved nibble order unpacked in Ray tasks, row ranges cutting groups and
+    packed words: AutoAWQ's values, the local executor's bytes."""
+    from test_quant_formats import _awq_checkpoint, dequantize_gemm
 
-    folder, _ = meta_ranks(tmp_path / "meta", "3", 2)
-    how: dict[str, Any] = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
+    tensors = _awq_checkpoint(tmp_path / "src", 16)
+    plan = weightmap.compile(tmp_path / "src", preset="awq-dequant")
+    local, remote = local_and_ray(tmp_path / "src", plan, chunk_bytes=300, task_cost=64)
+    assert folder_bytes(tmp_path / "src" / "ray") == folder_bytes(tmp_path / "src" / "local")
+    assert remote == local
+    with Checkpoint.open(tmp_path / "src" / "ray") as out:
+        for base in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+            ref = dequantize_gemm(tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"],
+                                  tensors[f"{base}.scales"], 4, 16).T  # fmt: skip
+            assert torch.equal(out.view(f"{base}.weight"), ref), base
+
+
+@pytest.mark.parametrize(("version", "ranks"), [("2", 4), ("3", 2)])
+def test_meta_ranks_on_ray(tmp_path: Path, version: str, ranks: int) -> None:
+    """Meta's rank files (PyTorch pickles, read by each task under their rank's names), Llama 2
+    (embeddings joined along dim 1) and 3: the cluster writes the local executor's bytes."""
+    from several import VOCAB, meta_ranks
+
+    folder, _ = meta_ranks(tmp_path / "meta", version, ranks)
+    params = {"version": version} | ({"vocab_size": VOCAB} if version == "2" else {})
+    how: dict[str, Any] = {"preset": "llama-meta-ranks-to-hf", "params": params}
     weightmap.remap(folder, tmp_path / "m-local", progress=False, **how)
     weightmap.remap(folder, tmp_path / "m-ray", executor="ray", workers=2, chunk_bytes=4096, **how)
     assert folder_bytes(tmp_path / "m-ray") == folder_bytes(tmp_path / "m-local")
 
-    base, adapter = lora_pair(
-        tmp_path / "lora", base_dtype=torch.bfloat16, adapter_dtype=torch.bfloat16
-    )
-    lora: dict[str, Any] = {"preset": "lora-merge", "inputs": {"adapter": adapter}}
+
+def test_replicas_that_differ_stop_the_run_on_ray(tmp_path: Path) -> None:
+    """A norm that differs between ranks stops the cluster's run as the local one, naming
+    the rank, and leaves nothing."""
+    from several import meta_ranks
+
+    folder, per = meta_ranks(tmp_path / "meta", "3", 2)
+    per[1]["layers.1.ffn_norm.weight"][3] += 1
+    torch.save(per[1], folder / "consolidated.01.pth")
+    how: dict[str, Any] = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
+    message = "ranks:1:layers.1.ffn_norm.weight holds other bytes than ranks:0:layers.1.ffn_norm"
+    with pytest.raises(ExecutionError, match=message):
+        weightmap.remap(folder, tmp_path / "out", executor="ray", workers=2, **how)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "extra", "params"),
+    [(torch.bfloat16, {}, {}), (torch.float16, {"use_rslora": True}, {"autocast": False})],
+)
+def test_lora_merge_on_ray(
+    tmp_path: Path, dtype: torch.dtype, extra: dict[str, Any], params: dict[str, Any]
+) -> None:
+    """A LoRA merge (matmul of the adapter's factors, added to the base) in Ray tasks: the
+    local executor's bytes, both roundings."""
+    from several import lora_pair
+
+    base, adapter = lora_pair(tmp_path / "lora", base_dtype=dtype, adapter_dtype=dtype, extra=extra)
+    lora: dict[str, Any] = {
+        "preset": "lora-merge",
+        "inputs": {"adapter": adapter},
+        "params": params,
+    }
     weightmap.remap(base, tmp_path / "l-local", progress=False, **lora)
     weightmap.remap(
         base, tmp_path / "l-ray", executor="ray", workers=2, chunk_bytes=4096, verify=True, **lora
@@ -432,24 +484,19 @@ def test_several_inputs_on_ray(tmp_path: Path) -> None:
     assert folder_bytes(tmp_path / "l-ray") == folder_bytes(tmp_path / "l-local")
 
 
-def test_several_outputs_on_ray(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("version", "ranks"), [("2", 4), ("3", 2)])
+def test_several_outputs_on_ray(tmp_path: Path, version: str, ranks: int) -> None:
     """Hugging Face Llama back into Meta's rank files: each task writes into the member file
     its piece belongs to, and the cluster writes the local executor's bytes."""
-    from several import meta_ranks
+    from test_several_outputs import _hf
 
-    folder, _ = meta_ranks(tmp_path / "meta", "3", 2)
-    hf = tmp_path / "hf"
-    weightmap.remap(folder, hf, preset="llama-meta-ranks-to-hf", params={"version": "3"})
-    how: dict[str, Any] = {
-        "preset": "llama-hf-to-meta-ranks",
-        "params": {"ranks": 2, "version": "3", "multiple_of": 32, "ffn_dim_multiplier": 1.3},
-    }
+    hf, _, params = _hf(tmp_path, version, ranks)
+    how: dict[str, Any] = {"preset": "llama-hf-to-meta-ranks", "params": params}
     weightmap.remap(hf, tmp_path / "local", progress=False, **how)
     weightmap.remap(
         hf, tmp_path / "ray", executor="ray", workers=2, chunk_bytes=4096, verify=True, **how
     )
     assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
     assert sorted(p.name for p in (tmp_path / "ray").glob("*.safetensors")) == [
-        "consolidated.00.safetensors",
-        "consolidated.01.safetensors",
+        f"consolidated.{rank:02d}.safetensors" for rank in range(ranks)
     ]

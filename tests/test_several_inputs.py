@@ -68,6 +68,15 @@ def test_meta_ranks_are_write_model(tmp_path: Path, version: str, ranks: int) ->
     assert weightmap.check_loads(tmp_path / "out0").ok
 
 
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_meta_ranks_worked_example_is_write_model(tmp_path: Path, ranks: int) -> None:
+    """docs/language.md's join of Meta's ranks: write_model's tensors, bit for bit."""
+    folder, loaded = meta_ranks(tmp_path, "3", ranks)
+    mapping = example("meta-ranks-to-hf")
+    got = _every_way(folder, tmp_path, {}, mapping=mapping, params={"version": "3"})
+    _same(got, write_model(loaded, meta_params("3"), "3"))
+
+
 def test_meta_ranks_plan_names_the_ranks(tmp_path: Path) -> None:
     folder, _ = meta_ranks(tmp_path, "3", 2)
     plan = weightmap.compile(folder, preset="llama-meta-ranks-to-hf", params={"version": "3"})
@@ -106,23 +115,22 @@ def test_replicas_that_differ_stop_the_run(tmp_path: Path) -> None:
     )
 
 
-def test_meta_ranks_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder, loaded = meta_ranks(tmp_path, "3", 2)
+@pytest.mark.parametrize(("version", "ranks"), [("2", 4), ("3", 2)])
+def test_meta_ranks_from_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: str, ranks: int
+) -> None:
+    """Llama 2 (embeddings joined along dim 1) and Llama 3 (dim 0), as a user runs them."""
+    folder, loaded = meta_ranks(tmp_path, version, ranks)
     out = tmp_path / "hf"
+    sets = ["--set", f"version={version}"]
+    if version == "2":
+        sets += ["--set", f"vocab_size={VOCAB}"]
     rc = cli.main(
-        [
-            "convert",
-            str(folder),
-            str(out),
-            "--preset",
-            "llama-meta-ranks-to-hf",
-            "--set",
-            "version=3",
-            "--quiet",
-        ]
+        ["convert", str(folder), str(out), "--preset", "llama-meta-ranks-to-hf", *sets, "--quiet"]
     )
     assert rc == 0, capsys.readouterr().err
-    _same(load_file(out / "model.safetensors"), write_model(loaded, meta_params("3"), "3"))
+    expected = write_model(loaded, meta_params(version), version)
+    _same(load_file(out / "model.safetensors"), expected)
 
 
 def test_meta_rank_gaps_are_refused(tmp_path: Path) -> None:
@@ -228,28 +236,48 @@ def test_lora_merge_of_a_float32_adapter(tmp_path: Path) -> None:
         assert (got[name] - t).abs().max() <= 2 * eps * t.abs().max(), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_worked_example_is_peft(tmp_path: Path, dtype: torch.dtype) -> None:
+    """docs/language.md's LoRA merge: peft's merge_and_unload (adapter upcast), bit for bit."""
+    base, adapter = lora_pair(tmp_path, base_dtype=dtype, adapter_dtype=dtype)
+    got = _every_way(base, tmp_path, {"adapter": adapter}, mapping=example("lora-merge"))
+    expected = peft_merge(
+        load_file(base / "model.safetensors"),
+        load_file(adapter / "adapter_model.safetensors"),
+        json.loads((adapter / "adapter_config.json").read_text()),
+    )
+    _same(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "extra", "sets"),
+    [
+        (torch.bfloat16, {}, []),
+        (torch.float16, {"use_rslora": True}, ["--set", "autocast=false"]),
+        (torch.bfloat16, {"fan_in_fan_out": True}, []),
+    ],
+)
 def test_lora_merge_from_the_cli_and_its_plan(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    dtype: torch.dtype,
+    extra: dict[str, Any],
+    sets: list[str],
 ) -> None:
-    base, adapter = lora_pair(tmp_path, base_dtype=torch.bfloat16, adapter_dtype=torch.bfloat16)
+    """The merge as a user runs it: bf16, f16 with rsLoRA's scaling and peft's rounding
+    without autocast, and a Conv1D-style (fan_in_fan_out) base."""
+    base, adapter = lora_pair(tmp_path, base_dtype=dtype, adapter_dtype=dtype, extra=extra)
     out = tmp_path / "merged"
     rc = cli.main(
-        [
-            "convert",
-            str(base),
-            str(out),
-            "--preset",
-            "lora-merge",
-            "--input",
-            f"adapter={adapter}",
-            "--quiet",
-        ]
-    )
+        ["convert", str(base), str(out), "--preset", "lora-merge", "--input", f"adapter={adapter}",
+         *sets, "--quiet"]
+    )  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     expected = peft_merge(
         load_file(base / "model.safetensors"),
         load_file(adapter / "adapter_model.safetensors"),
         json.loads((adapter / "adapter_config.json").read_text()),
+        autocast=not sets,
     )
     _same(load_file(out / "model.safetensors"), expected)
     rc = cli.main(["plan", str(base), "--preset", "lora-merge", "--input", f"adapter={adapter}"])

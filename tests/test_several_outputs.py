@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import weightmap
 from several import VOCAB, meta_params, meta_ranks
+from test_conversions import example
 from test_several_inputs import _same
 from weightmap import cli
 from weightmap.errors import CompileError, MappingError
@@ -86,15 +87,33 @@ def test_hf_back_into_meta_ranks(tmp_path: Path, version: str, ranks: int) -> No
     _same(load_file(again / "model.safetensors"), load_file(hf / "model.safetensors"))
 
 
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_hf_to_meta_ranks_worked_example(tmp_path: Path, ranks: int) -> None:
+    """docs/language.md's scatter into Meta's ranks: the slices Meta's rank files hold."""
+    hf, per, back = _hf(tmp_path, "3", ranks)
+    params = {k: v for k, v in back.items() if k != "version"}  # (Llama 3's split: dim 0)
+    out = tmp_path / "ranks"
+    mapping = example("hf-to-meta-ranks")
+    weightmap.remap(hf, out, mapping=mapping, params=params, progress=False, verify=True)
+    for rank, got in enumerate(_ranks(out, ranks)):
+        _same(got, per[rank])
+    memory = dict(weightmap.iter_tensors(hf, mapping=mapping, params=params))
+    for rank in range(ranks):
+        for name, t in per[rank].items():
+            assert torch.equal(memory[f"consolidated:{rank}:{name}"], t), name
+
+
+@pytest.mark.parametrize(("version", "ranks"), [("2", 4), ("3", 2)])
 def test_meta_ranks_from_the_cli_and_the_plan(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], version: str, ranks: int
 ) -> None:
-    hf, per, params = _hf(tmp_path, "3", 2)
+    hf, per, params = _hf(tmp_path, version, ranks)
     sets = [x for k, v in params.items() for x in ("--set", f"{k}={v}")]
     rc = cli.main(["plan", str(hf), "--preset", "llama-hf-to-meta-ranks", *sets])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "consolidated.00.safetensors" in text and "consolidated.01.safetensors" in text
+    last = f"consolidated.{ranks - 1:02d}.safetensors"
+    assert "consolidated.00.safetensors" in text and last in text
     rc = cli.main(
         [
             "convert",
@@ -108,7 +127,7 @@ def test_meta_ranks_from_the_cli_and_the_plan(
         ]
     )
     assert rc == 0, capsys.readouterr().err
-    for rank, got in enumerate(_ranks(tmp_path / "cli", 2)):
+    for rank, got in enumerate(_ranks(tmp_path / "cli", ranks)):
         _same(got, per[rank])
 
 
