@@ -78,6 +78,46 @@ def test_peak_rss_does_not_grow_with_the_input(tmp_path: Path, mapping: str) -> 
     assert peaks["after"] - peaks["before"] < 8 + 16 + 2 * 16, peaks
 
 
+def test_a_join_of_eight_ranks_stays_within_the_chunk_budget(tmp_path: Path) -> None:
+    """Eight rank files joined as Meta's are: along dim 1 (computed row by row, a piece of
+    every rank per chunk) and along dim 0 with the rotary permute after it (a concatenation,
+    a reshape's gather and a permute per chunk). The peak is the chunk budget and torch's
+    side allocations, not the ranks' 192 MiB, and the bytes are the joined tensors'."""
+    src = tmp_path / "in"
+    src.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    ranks = [
+        {
+            **{f"q{i}": torch.randn(384, 4096, generator=gen).bfloat16() for i in range(4)},
+            **{f"o{i}": torch.randn(3072, 512, generator=gen).bfloat16() for i in range(4)},
+        }
+        for _ in range(8)
+    ]
+    for r, tensors in enumerate(ranks):
+        save_file(tensors, src / f"consolidated.{r:02d}.safetensors")
+    (tmp_path / "m.wm").write_text(
+        "weightmap 1\n"
+        'input ranks files "consolidated.{rank}.safetensors"\n'
+        'merge "ranks:{r:int}:o{i:int}" dim 1 -> "o{i}"\n'
+        'merge "ranks:{r:int}:q{i:int}" dim 0 -> "q{i}"\n'
+        'reshape "q{i:int}" to [32, 48, 2, 4096]\n'
+        'transpose "q{i:int}" dims [1, 2]\n'
+        'reshape "q{i:int}" to [3072, 4096]\n'
+    )
+    peaks = _peaks(tmp_path)
+    # The chunk budget (8 MiB over both threads), what torch allocates on the side (16 MiB),
+    # and a piece of mapped input per thread; all eight ranks mapped would be 192 MiB.
+    assert peaks["after"] - peaks["before"] < 8 + 16 + 2 * 16, peaks
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    for i in range(4):
+        joined = torch.cat([t[f"q{i}"] for t in ranks], 0)
+        rotary = joined.view(32, 48, 2, 4096).transpose(1, 2).reshape(3072, 4096)
+        assert torch.equal(out[f"q{i}"], rotary)
+        assert torch.equal(out[f"o{i}"], torch.cat([t[f"o{i}"] for t in ranks], 1))
+
+
 def test_a_transpose_does_not_keep_its_input_mapped(tmp_path: Path) -> None:
     """A transpose reads a column block of every input row per chunk: the pages it reads are
     unmapped band by band, so one 96 MiB tensor does not stay mapped while it is computed."""
