@@ -36,7 +36,6 @@ from weightmap.format.layout import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
 from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
-from weightmap.plan.nodes import Source
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = [
@@ -304,11 +303,6 @@ def execute(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     check_workers(workers)
     n_workers = default_workers() if workers is None else workers
-    if any(not isinstance(out.node, Source) for out in plan.outputs):
-        # Imported here, in the caller's thread, not by the first chunk of each writer
-        # thread: an import cannot be interrupted in another thread, and torch's takes
-        # seconds on a busy machine, during which Ctrl-C would wait for it.
-        import torch  # noqa: F401
     writer, sources = plan_writer(
         plan,
         ckpt,
@@ -322,6 +316,12 @@ def execute(
     # (Sizes asked of the computed ones only: a rename computes nothing, and asks nothing of
     # where its inputs are beyond the copies the writer planned.)
     computed = sorted(sources.computed(), key=lambda o: -o.spec.nbytes)
+    if computed:
+        # Imported here, in the caller's thread, not by the first chunk of each writer
+        # thread: an import cannot be interrupted in another thread, and torch's takes
+        # seconds on a busy machine, during which Ctrl-C would wait for it. Only where a
+        # tensor is computed: a split or a join along dim 0 moves bytes, and needs none.
+        import torch  # noqa: F401
     # This run's own token: a failed task stops the others through it, without cancelling
     # the caller's.
     halt = CancelToken(cancel)
