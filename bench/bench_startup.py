@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import compile_tree
 from sections import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,10 +67,7 @@ def main() -> None:
         if args.baseline:
             trees["before"] = _checkout(args.baseline, Path(scratch))
         for src in trees.values():
-            # Bytecode first, as an installed package has it (pip compiles at install): where
-            # PYTHONDONTWRITEBYTECODE is set, every start would otherwise compile every module.
-            subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
+            compile_tree(src)  # (bytecode first, as an installed package has it)
         jobs: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
         bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         jobs[("`python -c pass`", "")] = ([sys.executable, "-c", "pass"], bare_env)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import warm
-from common import HERE, ROOT, log
+from common import HERE, ROOT, compile_tree, log
 
 JOB = HERE / "_job.py"
 
@@ -114,6 +114,7 @@ class Runner:
         if drop_caches:
             drop_page_cache()
         src = SOURCES.get(tool, ROOT / "src")
+        compile_tree(src)
         reply = self.launcher.run([sys.executable, str(JOB), *args], {"PYTHONPATH": str(src)})
         if reply["rc"] != 0:
             rc = reply["rc"]

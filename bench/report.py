@@ -162,7 +162,9 @@ def _method_runs(cold_note: str) -> list[str]:
         "imports what it needs first and times only the operation; `cp` is timed as a child "
         "process from a fresh wrapper. The tools run interleaved, in a rotating order, run by "
         "run, after one untimed warm-up run of each. Between runs the output is deleted and "
-        "`sync` flushes dirty pages (untimed).",
+        "`sync` flushes dirty pages (untimed). Each source tree is compiled to bytecode first, "
+        "as an installed package is (where PYTHONDONTWRITEBYTECODE is set, every job would "
+        "otherwise compile what it imports).",
         f"- Warm page cache: the input is read once before every run. {cold_note}",
     ]
 
