@@ -519,3 +519,14 @@ def test_a_thread_keeps_the_most_one_chunk_took_not_each_slots_largest() -> None
     # A slot taken twice in one chunk gets the same bytes when they are enough.
     arena.start()
     assert arena.take(mib, 0).data_ptr() == arena.take(mib // 2, 0).data_ptr()
+    # With the chunk budget reserved (pages untouched until a chunk writes them), chunks
+    # within it never grow the block nor get tensors of their own.
+    reserved = _Arena(12 * mib)
+    reserved.start()
+    reserved.take(8 * mib, 0)
+    assert reserved.block is not None and reserved.block.numel() == 12 * mib
+    block = reserved.block.data_ptr()
+    reserved.start()
+    rooms = [reserved.take(5 * mib, 8), reserved.take(5 * mib, 9)]
+    assert reserved.block.data_ptr() == block
+    assert all(block <= r.data_ptr() < block + 12 * mib for r in rooms)

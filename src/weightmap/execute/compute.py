@@ -257,7 +257,10 @@ class Computer:
     def _arena(self) -> _Arena:
         arena: _Arena | None = getattr(self._scratch, "arena", None)
         if arena is None:
-            arena = self._scratch.arena = _Arena()
+            # Room for a chunk's intermediates as chunk_plan bounds them, the output buffer's
+            # shift into its disk block, and each buffer's alignment.
+            reserve = self.chunk_bytes + DIRECT_ALIGN + 16 * _Arena.ALIGN
+            arena = self._scratch.arena = _Arena(reserve)
         return arena
 
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, ...], slot: int = 0) -> torch.Tensor:
@@ -281,18 +284,22 @@ class _Arena:
     """One thread's scratch memory: every buffer a chunk takes (its output, a staged copy, the
     copies ``region`` makes) is carved from one block, reused chunk after chunk.
 
-    The block grows to the most one chunk held at once. Buffers kept per slot would each grow
-    to the largest its slot ever held, and a thread would keep their sum: a rotary permute's
-    two copies and a join's output buffer, never live in the same chunk, all stayed.
+    The block is ``reserve`` bytes from the start (the chunk budget: a page of it is memory
+    only once a chunk writes it), so the thread holds the most one chunk wrote at once.
+    Buffers kept per slot would each grow to the largest its slot ever held, and a thread
+    would keep their sum: a rotary permute's two copies and a join's output buffer, never live
+    in the same chunk, all stayed. A chunk larger than the budget (one row over it) grows the
+    block.
     """
 
-    __slots__ = ("block", "taken", "used")
+    __slots__ = ("block", "reserve", "taken", "used")
 
     # Where each buffer starts in the block: a multiple of every dtype's alignment.
-    _ALIGN = 64
+    ALIGN = 64
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         self.block: torch.Tensor | None = None
+        self.reserve = reserve
         self.used = 0  # bytes the current chunk has taken, padding included
         self.taken: dict[int, torch.Tensor] = {}
 
@@ -313,10 +320,10 @@ class _Arena:
         room = self.taken.get(slot)
         if room is not None and room.numel() >= size:
             return room
-        at = -(-self.used // self._ALIGN) * self._ALIGN
+        at = -(-self.used // self.ALIGN) * self.ALIGN
         self.used = at + size
         if self.used > self._size() and not self.taken:
-            self._grow(self.used)
+            self._grow(max(self.used, self.reserve))
         if self.block is not None and self.used <= self.block.numel():
             room = self.block[at : self.used]
         else:
