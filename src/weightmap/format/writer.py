@@ -248,7 +248,8 @@ class CheckpointWriter:
         # Where each shard's data starts: the headers themselves (a hundred bytes per tensor)
         # are let go once open() has written them (``shards`` then hold empty ones).
         self.data_starts = [len(s.header) for s in self.shards]
-        self._total = sum(s.size - len(s.header) for s in self.shards[: self._main])
+        main = zip(self.shards[: self._main], self.data_starts, strict=False)
+        self._total = sum(s.size - start for s, start in main)
         # name -> (shard idx, begin, end), for the tensors written by name: made on the first
         # such write, as a conversion that only moves input bytes never asks.
         self._where_map: dict[str, tuple[int, int, int]] | None = None

@@ -218,8 +218,9 @@ def listing_key(maker: bytes) -> str | None:
         return None
     h = hashlib.sha256(code.encode() + b"\0" + maker + b"\0")
     try:
+        folder = data_dir("mappings")
         for name in preset_names():
-            text = data_dir("mappings").joinpath(name + PRESET_SUFFIX).read_bytes()
+            text = folder.joinpath(name + PRESET_SUFFIX).read_bytes()
             h.update(name.encode() + b"\0" + text + b"\0")
     except OSError:
         return None
