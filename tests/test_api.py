@@ -323,6 +323,38 @@ def test_moving_bytes_never_imports_torch(ckpt: Path, tmp_path: Path, mapping: s
     assert done.stdout.strip() == "False"
 
 
+_NO_WRITER = """
+import sys, weightmap
+weightmap.remap({src!r}, mapping={mapping!r}, dry_run=True, progress=False)
+weightmap.remap({src!r}, mapping={mapping!r}, inplace=True, progress=False)
+heavy = ("weightmap.execute.streaming", "weightmap.format.writer", "weightmap.format.layout")
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_inplace_and_dry_runs_import_no_writer(ckpt: Path, tmp_path: Path) -> None:
+    """An in-place rename (timed in milliseconds at the command line) and a dry run without a
+    destination write no new folder: the executor, the writer and the layout planner are not
+    imported."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = _NO_WRITER.format(src=str(ckpt), mapping=RENAME)
+    env = {
+        **__import__("os").environ,
+        "PYTHONPATH": str(REPO / "src"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert "midlayer.self_attn.q_proj.weight" in load_file(ckpt / "model.safetensors")
+
+
 def test_load_mapping_takes_a_preset_name() -> None:
     # As the CLI's --mapping and `invert` do (no program is one line without its version).
     preset = weightmap.load_mapping("eagle3-sglang")

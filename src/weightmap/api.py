@@ -14,11 +14,9 @@ from typing import TYPE_CHECKING, Any
 from weightmap.binding import bind_inputs, check_bindings, main_is_family_folder
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, WeightmapError
-from weightmap.execute.memory import check_torch_shapes, iter_outputs
-from weightmap.execute.streaming import DEFAULT_CHUNK_BYTES
-from weightmap.execute.verify import check_output, recomputed
-from weightmap.format.layout import CONFIG_NAME, Layouts
-from weightmap.format.writer import destination_path
+from weightmap.execute.options import DEFAULT_CHUNK_BYTES
+from weightmap.format.names import CONFIG_NAME
+from weightmap.format.options import Layouts
 from weightmap.fs.cancel import CancelSource, CancelToken, as_token
 from weightmap.fs.fdlimit import make_room
 from weightmap.fs.gcpause import gc_paused
@@ -45,7 +43,8 @@ from weightmap.modes import (
 )
 from weightmap.plan.plan import Plan
 
-# The Ray executor, in-place rewrites, inversion and the Hub are imported where they are used:
+# The executors and the writer (modes.py), the Ray executor, in-place rewrites, iter_tensors'
+# and verify's evaluators, inversion and the Hub are imported where they are used:
 # `import weightmap` is paid by every command and every process that embeds it, and most
 # conversions need none of them (a rename of a 4 GB drafter on a copy-on-write filesystem takes
 # less time than importing them did).
@@ -281,8 +280,11 @@ def remap(
     else:
         # Checked now, dry run or not: a dry run passes only what the real run would.
         check_write_options(max_shard_size, layout, workers)
-    dest = None if out is None else destination_path(Path(out))  # (`in/..` refused)
-    if dest is not None:
+    dest = None
+    if out is not None:
+        from weightmap.format.writer import destination_path
+
+        dest = destination_path(Path(out))  # (`in/..` refused)
         check_not_file_like(dest)
     bars = progress is True or (progress is None and sys.stderr.isatty())
 
@@ -406,6 +408,8 @@ def verify(
     >>> verify("out", result.plan, source=src)                            # doctest: +SKIP
     []
     """
+    from weightmap.execute.verify import check_output, recomputed
+
     checksums = dict(checksums or {})
     if source is None:
         unchecked = [s.name for s in plan.output_specs() if s.nbytes and s.name not in checksums]
@@ -456,6 +460,8 @@ def iter_tensors(
     once it is set, the next step raises :class:`~weightmap.errors.Cancelled` and the input is
     closed. ``inputs`` as :func:`remap` takes it.
     """
+    from weightmap.execute.memory import check_torch_shapes, iter_outputs
+
     token = as_token(cancel)
     rules = resolve_mapping(preset, mapping)
     src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())

@@ -31,8 +31,9 @@ from typing import TypeVar
 
 from weightmap.errors import ExecutionError, FormatError
 from weightmap.execute.compute import Computer
+from weightmap.execute.options import DEFAULT_CHUNK_BYTES, check_workers, default_workers
 from weightmap.execute.sources import plan_writer
-from weightmap.format.layout import Layouts
+from weightmap.format.options import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
 from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
@@ -50,25 +51,11 @@ __all__ = [
     "execute",
 ]
 
-# The memory computed tensors may take at once, over all threads.
-DEFAULT_CHUNK_BYTES = 32 * 2**20
 # A clone moves no data: as work, it weighs like a copy of this many bytes.
 _CLONE_WEIGHT = 64 * 1024
 
 ProgressFn = Callable[[int], None]
 T = TypeVar("T")
-
-
-def check_workers(workers: int | None) -> None:
-    """ValueError for a number of workers that is not a count of at least 1 (None: the
-    default)."""
-    if workers is not None and (isinstance(workers, bool) or workers < 1):
-        raise ValueError(f"workers must be at least 1, got {workers}")
-
-
-def default_workers() -> int:
-    """A sensible thread count: the cores, at most 8 (the disk is the limit beyond that)."""
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass

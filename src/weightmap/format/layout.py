@@ -9,19 +9,24 @@ offsets modulo the filesystem block and a copy-on-write filesystem can share the
 from __future__ import annotations
 
 import json
-import math
 import operator
-import re
 from array import array
 from bisect import bisect_left
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, islice
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from weightmap.format.dtypes import DTYPES, TensorSpec
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
+from weightmap.format.options import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LAYOUTS,
+    Layouts,
+    check_layout,
+    parse_size,
+)
 
 __all__ = [
     "CLONE_BLOCK",
@@ -47,58 +52,6 @@ __all__ = [
     "plan_members",
     "plan_shards",
 ]
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-_MAX_SIZE = float(2**63)  # (file sizes and offsets are signed 64-bit in the kernel)
-
-
-def check_layout(layout: str) -> None:
-    """ValueError for a layout name that is none of :data:`LAYOUTS`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-
-
-def parse_size(size: int | str) -> int:
-    """Parse a size such as ``"5GB"`` (decimal units, as the hub uses) or ``"512MiB"``.
-
-    >>> parse_size("5GB"), parse_size("1.5KiB"), parse_size(100)
-    (5000000000, 1536, 100)
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = _SIZE_RE.match(str(size))
-        unit = m.group(2).upper() if m else ""
-        if not m or unit not in _UNITS:
-            raise ValueError(
-                f"cannot parse size {size!r}: use a number with a unit such as 500MB, 5GB or 2GiB"
-            )
-        number = float(m.group(1)) * _UNITS[unit]
-        if not math.isfinite(number) or number > _MAX_SIZE:
-            # float() reads 400 nines as infinity, which int() refuses with an OverflowError.
-            raise ValueError(
-                f"size {str(size)[:40]!r} is larger than any file can be (at most 2**63 bytes)"
-            )
-        value = int(number)
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return value
 
 
 def _layout_order(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
@@ -295,8 +248,6 @@ def plan_shards(
 # default (and the page size of x86-64 and most arm64 kernels); a fixed value keeps the output
 # the same bytes wherever it is written.
 CLONE_BLOCK = 4096
-LAYOUTS = ("clone", "reference")
-Layouts = Literal["clone", "reference"]
 
 
 class Extent(NamedTuple):
