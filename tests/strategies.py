@@ -56,6 +56,7 @@ from weightmap.plan.nodes import (
     Source,
     Stack,
     Unpack,
+    int_cast_fits,
 )
 
 # ---- language programs ---------------------------------------------------------------------------
@@ -110,6 +111,8 @@ CONFIG: dict[str, Any] = {"hidden_size": 4, "a": [1, 2], "b": {"c": None}}
 FLOATS: list[str] = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"]
 INTS: list[str] = ["I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"]
 DTYPE_CHOICES: list[str] = [*FLOATS, *INTS, "BOOL"]
+# What stops a run whose narrowing cast meets a value it cannot hold (execute/kernels.py).
+UNFIT = r"do not fit in|cannot be cast from|is not a whole number"
 
 
 def src(name: str, t: torch.Tensor) -> Source:
@@ -208,7 +211,7 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
             if kind == "float":
                 target = draw(st.sampled_from(FLOATS))
             elif kind in ("int", "uint"):
-                # Widening only: narrowing is range-checked, tested separately.
+                # Widening only here: a narrowing cast comes last in a chain (_narrowing).
                 wider = [
                     d
                     for d in INTS
@@ -235,6 +238,8 @@ def nodes(draw: st.DrawFn, base: Node, depth: int = 3) -> Node:
                         -(-node.shape[-1] // block[1]))  # fmt: skip
                 node = Quantize(src=node, block=block, part="scales", fp8=fp8, dtype="F32",
                                 shape=grid)  # fmt: skip
+    if draw(st.integers(0, 3)) == 0:
+        node = _narrowing(draw, node)
     return node
 
 
@@ -313,6 +318,26 @@ def _quant_node(draw: st.DrawFn, op: str, node: Node) -> Node:
         return Matmul(a=node, b=b, compute=compute, dtype=out,
                       shape=(node.shape[0], node.shape[0]))  # fmt: skip
     return node
+
+
+def _narrowing(draw: st.DrawFn, node: Node) -> Node:
+    """A cast that may not hold every value: a float to an integer (rounded and clamped first,
+    or not), an integer to a narrower one or to a float of smaller range. Drawn last in a chain
+    only: the executors check the values they cast, which are then the output's in chunks as
+    in whole (under a slice, the whole-tensor reference would check values no output holds)."""
+    if node.dtype in FLOATS:
+        if draw(st.booleans()):  # whole numbers in range, mostly (NaN stays NaN)
+            mode = draw(st.sampled_from(["round", "floor", "ceil"]))
+            node = Round(src=node, mode=mode, dtype=node.dtype, shape=node.shape)
+            node = Clamp(src=node, low=-100, high=100, dtype=node.dtype, shape=node.shape)
+        targets = INTS
+    elif node.dtype in INTS:
+        targets = [d for d in [*INTS, *FLOATS] if not int_cast_fits(node.dtype, d)]
+    else:
+        targets = []
+    if not targets:
+        return node
+    return Cast(src=node, dtype=draw(st.sampled_from(targets)), shape=node.shape)
 
 
 def _arith(draw: st.DrawFn, node: Node) -> Node:
@@ -946,6 +971,7 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
                 "permute",
                 "reshape",
                 "cast",
+                "narrow",
                 "packed",
             ]
         )
@@ -1011,6 +1037,18 @@ def block(draw: st.DrawFn, j: int) -> tuple[dict[str, torch.Tensor], str]:
         n = numel(shape)
         new = draw(st.sampled_from([[a, n // a] for a in range(1, n + 1) if n % a == 0] + [[n]]))
         return {f"{p}.x": draw(tensor(shape, code))}, f'reshape "{p}.x" to {new} -> "{p}.y"'
+    if op == "narrow" and code != "BOOL":
+        # A narrowing cast (a float to an integer, an integer to a narrower one) of values that
+        # fit, whole numbers in [0, 100] as stored in the input's dtype: the compiler marks it,
+        # every executor checks the values and writes them. (Values that do not fit: the
+        # generated plan nodes of `cases`.)
+        count = numel(shape)
+        values = draw(st.lists(st.integers(0, 100), min_size=count, max_size=count))
+        x = torch.tensor(values, dtype=torch.int64).reshape(shape).to(DTYPES[code].torch())
+        narrower = [d for d in ("I8", "U8", "I16", "I32") if not int_cast_fits(code, d)]
+        if narrower:
+            target = draw(st.sampled_from(narrower)).lower()
+            return {f"{p}.x": x}, f'cast "{p}.x" to {target} -> "{p}.y"'
     # cast: between floats, or integers to a wider type
     if code in FLOAT_ALIASES:
         target = FLOAT_ALIASES[draw(st.sampled_from(sorted(FLOAT_ALIASES)))]

@@ -11,6 +11,7 @@ import itertools
 import os
 import pickle
 import random
+import re
 import zlib
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import weightmap
-from strategies import cases, rule_programs
+from strategies import UNFIT, cases, rule_programs
 from weightmap.errors import CheckpointError, ExecutionError, FormatError
 from weightmap.execute.distributed import Runner, crc32_combine, execute_tasks
 from weightmap.execute.partition import ComputeUnit, TaskReport, TaskSpec, partition
@@ -144,7 +145,8 @@ def test_tasks_equal_local_on_generated_nodes(
     seed: int,
 ) -> None:
     """Chains of slices, concatenations, stacks, permutes, reshapes, casts and arithmetic
-    straight from plan nodes (every dtype, empty tensors): the same bytes."""
+    straight from plan nodes (every dtype, empty tensors): the same bytes, or (a narrowing
+    cast meeting a value it cannot hold) the same stop."""
     inputs, outputs = case
     root = tmp_path_factory.mktemp("n")
     save_file(inputs, root / "model.safetensors")
@@ -158,9 +160,18 @@ def test_tasks_equal_local_on_generated_nodes(
             for n, node in outputs.items()
         ),
     )
-    local, by_tasks = run_both(
-        root, plan, seed=seed, task_cost=task_cost, chunk_bytes=chunk, max_shard_size="64B"
-    )
+    try:
+        local, by_tasks = run_both(
+            root, plan, seed=seed, task_cost=task_cost, chunk_bytes=chunk, max_shard_size="64B"
+        )
+    except ExecutionError as e:
+        # A narrowing cast met a value it cannot hold: the tasks stop too, leaving nothing.
+        assert re.search(UNFIT, str(e)), e
+        with Checkpoint.open(root) as ckpt, pytest.raises(ExecutionError, match=UNFIT):
+            execute_tasks(plan, ckpt, root / "tasks", run=in_process(seed, 0.3), slots=2,
+                          task_cost=task_cost, chunk_bytes=chunk, max_shard_size="64B")  # fmt: skip
+        assert sorted(p.name for p in root.iterdir()) == ["model.safetensors"]
+        return
     assert folder_bytes(root / "tasks") == folder_bytes(root / "local")
     assert by_tasks == local
 
