@@ -322,9 +322,9 @@ def _quant_node(draw: st.DrawFn, op: str, node: Node) -> Node:
 
 def _narrowing(draw: st.DrawFn, node: Node) -> Node:
     """A cast that may not hold every value: a float to an integer (rounded and clamped first,
-    or not), an integer to a narrower one or to a float of smaller range. Drawn last in a chain
-    only: the executors check the values they cast, which are then the output's in chunks as
-    in whole (under a slice, the whole-tensor reference would check values no output holds)."""
+    or not), an integer to a narrower one or to a float of smaller range, and maybe a slice of
+    it (a split whose other part is dropped: the values checked are the part kept's). Drawn
+    last in a chain, where the values an output holds are the cast's."""
     if node.dtype in FLOATS:
         if draw(st.booleans()):  # whole numbers in range, mostly (NaN stays NaN)
             mode = draw(st.sampled_from(["round", "floor", "ceil"]))
@@ -337,7 +337,15 @@ def _narrowing(draw: st.DrawFn, node: Node) -> Node:
         targets = []
     if not targets:
         return node
-    return Cast(src=node, dtype=draw(st.sampled_from(targets)), shape=node.shape)
+    node = Cast(src=node, dtype=draw(st.sampled_from(targets)), shape=node.shape)
+    dims = [d for d, n in enumerate(node.shape) if n > 1]
+    if dims and draw(st.booleans()):  # a part of it only (a split whose other part is dropped)
+        dim = draw(st.sampled_from(dims))
+        start = draw(st.integers(0, node.shape[dim] - 1))
+        stop = draw(st.integers(start + 1, node.shape[dim]))
+        shape = (*node.shape[:dim], stop - start, *node.shape[dim + 1 :])
+        node = Slice(src=node, dim=dim, start=start, stop=stop, dtype=node.dtype, shape=shape)
+    return node
 
 
 def _arith(draw: st.DrawFn, node: Node) -> Node:

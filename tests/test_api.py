@@ -494,3 +494,30 @@ def test_a_config_edit_that_only_changes_a_json_type_is_an_edit(tmp_path: Path) 
             "~ rope_theta: 10000 -> 10000.0",
             "~ tie_word_embeddings: true -> 1",
         ]
+
+
+_CAST_PART = """weightmap 1
+cast "w" to i8 -> "w8"
+split "w8" dim 0 sizes [2, 2] -> "kept", "dropped"
+drop "{drop}"
+"""
+
+
+@pytest.mark.parametrize("drop", ["dropped", "kept"])
+def test_a_narrowing_cast_checks_the_values_an_output_holds(tmp_path: Path, drop: str) -> None:
+    """remap, iter_tensors and verify agree: a part no output keeps may hold values the cast
+    cannot, and stops nothing; a part an output keeps stops all three."""
+    save_file({"w": torch.tensor([1, -2, 300, 400])}, tmp_path / "model.safetensors")
+    mapping = _CAST_PART.format(drop=drop)
+    if drop == "kept":
+        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 400\] do not fit in I8"):
+            weightmap.remap(tmp_path, tmp_path / "out", mapping=mapping, progress=False)
+        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 400\] do not fit in I8"):
+            dict(weightmap.iter_tensors(tmp_path, mapping=mapping))
+        assert not (tmp_path / "out").exists()
+        return
+    result = weightmap.remap(tmp_path, tmp_path / "out", mapping=mapping, progress=False)
+    expected = torch.tensor([1, -2], dtype=torch.int8)
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["kept"], expected)
+    assert torch.equal(dict(weightmap.iter_tensors(tmp_path, mapping=mapping))["kept"], expected)
+    assert weightmap.verify(tmp_path / "out", result.plan, source=tmp_path) == []

@@ -8,6 +8,7 @@ tensors, and the tests compare the two bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from weightmap.errors import ExecutionError
@@ -130,6 +131,12 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
             f"{where}: {node.dtype} tensors can only be renamed, kept or reshaped here"
         )
     if isinstance(node, Slice):
+        if isinstance(node.src, Cast):
+            # Sliced before the cast, as the streaming executor computes it: a narrowing cast
+            # checks the values an output holds, not those of a part no output keeps (the rest
+            # of a split whose other part is dropped).
+            inner = replace(node, src=node.src.src, dtype=node.src.src.dtype)
+            return evaluate(replace(node.src, src=inner, shape=node.shape), get, where)
         return evaluate(node.src, get, where).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         return torch.cat([evaluate(s, get, where) for s in node.srcs], node.dim)
