@@ -450,3 +450,49 @@ def test_plan_without_bytes_needs_no_task(tmp_path: Path) -> None:
     local, by_tasks = run_both(tmp_path, plan)
     assert folder_bytes(tmp_path / "tasks") == folder_bytes(tmp_path / "local")
     assert by_tasks == local
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_tasks_write_past_the_page_cache_as_the_driver_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """``WEIGHTMAP_DIRECT_IO`` is read by the driver and carried to the tasks (a node's own
+    environment may lack it): their chunks of a megabyte and more go past the page cache as
+    the local writer's do, and the bytes are the same either way."""
+    from weightmap.format import transfer
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(1024, 1024, generator=gen), "c": torch.randn(3, generator=gen)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    plan = weightmap.compile(tmp_path, mapping='weightmap 1\ncast "a" to bf16\nunmatched keep\n')
+    sizes: list[int] = []
+    real = transfer.pwrite_direct
+
+    def counted(
+        fd: int, direct_fd: int, data: bytes | memoryview, at: int, stage: memoryview
+    ) -> None:
+        sizes.append(memoryview(data).nbytes)
+        real(fd, direct_fd, data, at, stage)
+
+    monkeypatch.setattr(transfer, "pwrite_direct", counted)
+    monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", direct)
+    seen: list[bool] = []
+
+    def on_a_node(tasks: list[TaskSpec], progress: ProgressFn | None) -> list[TaskReport]:
+        seen.extend(t.direct_io for t in tasks)
+        monkeypatch.delenv("WEIGHTMAP_DIRECT_IO")
+        return in_process(0)(tasks, progress)
+
+    with Checkpoint.open(tmp_path) as ckpt:
+        execute_tasks(plan, ckpt, tmp_path / "tasks", run=on_a_node, slots=2, chunk_bytes=8 << 20)
+    assert seen and set(seen) == {direct == "1"}
+    with Checkpoint.open(tmp_path) as ckpt:
+        execute(plan, ckpt, tmp_path / "local", chunk_bytes=8 << 20)
+    assert folder_bytes(tmp_path / "tasks") == folder_bytes(tmp_path / "local")
+    probe = transfer.open_direct(tmp_path / "model.safetensors")
+    if probe is not None:
+        os.close(probe)
+    if direct == "0" or probe is None:
+        assert not sizes
+    else:
+        assert sizes and all(n >= transfer.DIRECT_MIN for n in sizes)

@@ -36,6 +36,7 @@ from weightmap.execute.cluster import execute_on_ray
 from weightmap.execute.partition import TaskReport, TaskSpec
 from weightmap.execute.streaming import ExecutionStats, execute
 from weightmap.format.layout import Layouts
+from weightmap.format.transfer import open_direct
 from weightmap.fs.atomic import TMP_MARKER
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
@@ -177,6 +178,51 @@ def test_killed_worker_is_retried_and_the_bytes_are_the_same(
     assert remote == local
     assert sum(seen) == sum(s.nbytes for s in plan.output_specs())
     assert leftovers(tmp_path) == []
+
+
+def test_direct_writes_reach_the_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``WEIGHTMAP_DIRECT_IO=1`` where the conversion starts (the workers' environment lacks
+    it): the tasks send their chunks of a megabyte and more past the page cache, and the bytes
+    are the local executor's."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(1024, 1024, generator=gen), "b": torch.randn(3, generator=gen)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    plan = weightmap.compile(tmp_path, mapping='weightmap 1\ncast "a" to bf16\nunmatched keep\n')
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run_task = task_module.run_task
+
+    def watched(spec: TaskSpec, report: Report) -> TaskReport:
+        from weightmap.format import transfer
+
+        real = transfer.pwrite_direct
+        calls: list[int] = []
+
+        def counted(*args: Any) -> None:
+            calls.append(1)
+            real(*args)
+
+        transfer.pwrite_direct = counted
+        try:
+            done = run_task(spec, report)
+        finally:
+            transfer.pwrite_direct = real
+        (marks / f"{spec.index}-{spec.direct_io}-{len(calls)}").touch()
+        if "WEIGHTMAP_DIRECT_IO" in os.environ:
+            (marks / "worker-env").touch()
+        return done
+
+    monkeypatch.setattr(task_module, "run_task", watched)
+    monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", "1")
+    local, remote = local_and_ray(tmp_path, plan, chunk_bytes=8 << 20)
+    assert folder_bytes(tmp_path / "ray") == folder_bytes(tmp_path / "local")
+    assert remote == local
+    seen = sorted(p.name for p in marks.iterdir())
+    assert "worker-env" not in seen and all(name.split("-")[1] == "True" for name in seen)
+    probe = open_direct(tmp_path / "model.safetensors")
+    if probe is not None:
+        os.close(probe)
+        assert sum(int(name.split("-")[2]) for name in seen) > 0, seen
 
 
 def test_worker_that_always_dies_fails_the_conversion(

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save, save_file
 
 from strategies import TORCH_DTYPES, checkpoints
 from weightmap.errors import ExecutionError, OutputExistsError
+from weightmap.format import transfer as transfer_module
 from weightmap.format import writer as writer_module
 from weightmap.format.dtypes import TensorSpec
 from weightmap.format.layout import parse_size, plan_shards
@@ -456,7 +457,7 @@ def test_large_chunks_in_any_order_and_phase_give_the_reference_bytes(
 
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(put, jobs))
-        used = {fd for fd in w._direct.values() if fd is not None}
+        used = w._directs.used()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == save(tensors)
     if direct == "1" and _direct_supported(tmp_path):
         assert used, "no chunk went to the disk directly"
@@ -478,7 +479,7 @@ def test_a_refused_direct_write_is_written_through_the_cache(
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", "1")
-    monkeypatch.setattr(writer_module, "pwrite_direct", refuse)
+    monkeypatch.setattr(transfer_module, "pwrite_direct", refuse)
     tensors = {"w": torch.randn(1024, 1024)}
     raw = _raw(tensors["w"])
     half = len(raw) // 2
@@ -492,6 +493,6 @@ def test_a_refused_direct_write_is_written_through_the_cache(
 def test_direct_io_is_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WEIGHTMAP_DIRECT_IO", raising=False)
     w = CheckpointWriter(tmp_path / "out", [TensorSpec("w", "F32", (2,))])
-    assert not w._use_direct
+    assert not w.direct_io
     monkeypatch.setenv("WEIGHTMAP_DIRECT_IO", "1")
-    assert CheckpointWriter(tmp_path / "out", [TensorSpec("w", "F32", (2,))])._use_direct
+    assert CheckpointWriter(tmp_path / "out", [TensorSpec("w", "F32", (2,))]).direct_io

@@ -117,6 +117,8 @@ class TaskSpec:
     ``inputs`` are the input files by number, ``tensors`` the input tensors the computed units
     read (file number, header entry), ``targets`` where each computed output goes (shard,
     absolute ``[begin, end)``). ``planned`` is the data bytes the task writes into each shard.
+    ``direct_io``: the driver's ``WEIGHTMAP_DIRECT_IO`` (large computed chunks past the page
+    cache), which a node's own environment does not override.
     """
 
     index: int
@@ -134,6 +136,7 @@ class TaskSpec:
     chunk_bytes: int = 32 * 2**20
     checksum: bool = False
     cost: int = 0
+    direct_io: bool = False
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,7 @@ def partition(
         inputs=inputs,
         chunk_bytes=chunk_bytes,
         checksum=checksum,
+        direct_io=writer.direct_io,
     )
     bins = _pack(groups, max(1, -(-sum(g[0] for g in groups) // target)))
     tasks = [_task(common, i, units, located, where) for i, units in enumerate(bins)]

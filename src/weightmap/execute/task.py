@@ -23,9 +23,10 @@ from weightmap.execute.compute import Computer
 from weightmap.execute.partition import TaskReport, TaskSpec, code_digest
 from weightmap.execute.streaming import check_unchanged, crc_of_ranges
 from weightmap.format.header import Header, TensorInfo
-from weightmap.format.transfer import pwrite_all, start_writeback
+from weightmap.format.transfer import DIRECT_ALIGN, DirectWrites
 from weightmap.format.writer import transfer_piece
 from weightmap.fs.atomic import host_name
+from weightmap.fs.safeopen import fd_path
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.pickles import prefixed_header, read_pickle
 
@@ -43,6 +44,7 @@ class _Shards:
         self.spec = spec
         self.fds: dict[int, int] = {}
         self.written: dict[int, int] = defaultdict(int)
+        self.directs = DirectWrites(spec.direct_io)
 
     def fd(self, shard: int) -> int:
         if shard not in self.fds:
@@ -64,9 +66,14 @@ class _Shards:
         if offset < 0 or begin + offset + length > end:
             raise ValueError(f"write of {length} bytes at {offset} falls outside {name!r}")
         fd = self.fd(shard)
-        pwrite_all(fd, data, begin + offset)
-        start_writeback(fd, begin + offset, length)
+        path = Path(self.spec.folder) / self.spec.shards[shard]
+        self.directs.write(shard, fd, lambda: fd_path(fd, path), data, begin + offset)
         self.written[shard] += length
+
+    def phase(self, name: str, offset: int) -> int:
+        """Where in its disk block byte ``offset`` of output ``name`` lands (``Computer``
+        places its chunks so, and direct writes then need no copy)."""
+        return (self.spec.targets[name][1] + offset) % DIRECT_ALIGN
 
     def sync(self) -> None:
         """fsync every shard written: on a network filesystem another node's fsync would not
@@ -75,6 +82,7 @@ class _Shards:
             os.fsync(fd)
 
     def close(self) -> None:
+        self.directs.close()
         for fd in self.fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

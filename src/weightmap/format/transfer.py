@@ -7,11 +7,14 @@ or kernel lacks it: ``FICLONERANGE`` (share extents, or refuse), ``copy_file_ran
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,6 +24,7 @@ from weightmap.errors import ExecutionError
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_MIN",
+    "DirectWrites",
     "clone",
     "copy",
     "fallocate",
@@ -107,6 +111,80 @@ def pwrite_direct(
     rest = view[lead + body :]
     if rest:
         pwrite_all(fd, rest, position + lead + body)
+
+
+# Each writing thread's staging buffer for direct writes of unaligned memory.
+_STAGE_BYTES = 8 * 2**20
+
+
+class DirectWrites:
+    """Writes into files a writer holds open: those of a megabyte or more past the page cache
+    (``pwrite_direct``) where ``enabled``, the others through it with their writeback started.
+
+    For every thread of one writer (the local writer's, or a Ray task's): each file's O_DIRECT
+    descriptor is opened on its first large write (``path()`` names the very file; None where
+    the filesystem has none), and a file whose direct write was refused (EINVAL) is written
+    through the cache from then on. Each thread stages unaligned memory in a buffer of its own.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._direct: dict[int, int | None] = {}  # file key -> O_DIRECT descriptor, or None
+        self._opened: list[int] = []  # every one opened, closed by close()
+        self._stage = threading.local()
+
+    def write(
+        self,
+        key: int,
+        fd: int,
+        path: Callable[[], str | os.PathLike[str]],
+        data: bytes | memoryview,
+        position: int,
+    ) -> None:
+        """Write ``data`` at ``position`` of the file open as ``fd`` (``key`` names it)."""
+        length = memoryview(data).nbytes
+        direct = self._fd(key, path) if self.enabled and length >= DIRECT_MIN else None
+        if direct is not None:
+            try:
+                pwrite_direct(fd, direct, data, position, self._staging())
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                with self._lock:  # refused: this file is written through the cache from now
+                    self._direct[key] = None
+                # (Left open until close(): another thread may be writing through it.)
+        pwrite_all(fd, data, position)
+        start_writeback(fd, position, length)
+
+    def used(self) -> bool:
+        """Whether any file got a descriptor for direct writes."""
+        return any(fd is not None for fd in self._direct.values())
+
+    def _fd(self, key: int, path: Callable[[], str | os.PathLike[str]]) -> int | None:
+        with self._lock:
+            if key not in self._direct:
+                fd = open_direct(path())
+                self._direct[key] = fd
+                if fd is not None:
+                    self._opened.append(fd)
+            return self._direct[key]
+
+    def _staging(self) -> memoryview:
+        stage: memoryview | None = getattr(self._stage, "view", None)
+        if stage is None:
+            stage = self._stage.view = memoryview(mmap.mmap(-1, _STAGE_BYTES))
+        return stage
+
+    def close(self) -> None:
+        """Close every O_DIRECT descriptor (the files' own stay open)."""
+        with self._lock:
+            fds, self._opened = self._opened, []
+            self._direct.clear()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _address(view: memoryview) -> int:

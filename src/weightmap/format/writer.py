@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -39,14 +38,12 @@ from weightmap.format.layout import (
 )
 from weightmap.format.transfer import (
     DIRECT_ALIGN,
-    DIRECT_MIN,
+    DirectWrites,
     clone,
     copy,
     fallocate,
     fsyncing,
-    open_direct,
     pwrite_all,
-    pwrite_direct,
     start_writeback,
 )
 from weightmap.fs.atomic import (
@@ -77,8 +74,6 @@ COPY_PIECE = 8 * 2**20
 _CLONE_PIECE = 2**30
 # What the probe clones: one block of the common size (a clone must cover whole blocks).
 _PROBE_BYTES = 4096
-# Each writing thread's staging buffer for direct writes of unaligned memory (see write()).
-_STAGE_BYTES = 8 * 2**20
 # Space held in the temporary folder, from the start, for the files written after the shards
 # (the side files): released just before they are written.
 RESERVE_NAME = ".side-files.reserve"
@@ -256,14 +251,11 @@ class CheckpointWriter:
         self._written = [0] * len(self.shards)  # data bytes written, by shard
         self._lock = threading.Lock()
         self._fds: list[int] = []
-        # Shard number -> its O_DIRECT descriptor (None: none, the page cache it is), opened
-        # on the first large write into the shard; see write().
-        self._direct: dict[int, int | None] = {}
-        self._direct_fds: list[int] = []  # every one opened, closed at commit or abort
-        # Opt-in: on the disk measured, neither way won every time, and the first writes
-        # through the page cache after direct ones were slow (docs/benchmarks.md).
-        self._use_direct = os.environ.get("WEIGHTMAP_DIRECT_IO", "0") == "1"
-        self._stage = threading.local()  # each thread's page-aligned staging buffer
+        # Chunks past the page cache, opt-in: on the disk measured, neither way won every time,
+        # and the first writes through the page cache after direct ones were slow
+        # (docs/benchmarks.md). Read here, by the driver of a Ray run too: its tasks are told.
+        self.direct_io = os.environ.get("WEIGHTMAP_DIRECT_IO", "0") == "1"
+        self._directs = DirectWrites(self.direct_io)
         self._src: dict[int, int] = {}  # input file number -> read-only fd
         self._clones: dict[int, bool] = {}  # input file number -> may clone into the output
         self._src_size: dict[int, int] = {}
@@ -381,7 +373,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Close and remove everything temporary; ``dest`` is untouched."""
         self._close_inputs()
-        self._close_direct()
+        self._directs.close()
         keep_open_elsewhere(self._fds)  # (only once a signal stopped the command line)
         for fd in self._fds:
             with contextlib.suppress(OSError):
@@ -439,20 +431,13 @@ class CheckpointWriter:
         length = memoryview(data).nbytes
         fd, position = self._check(name, offset, length)
         shard = self._where(name)[0]
-        direct = self._direct_fd(shard) if length >= DIRECT_MIN else None
-        if direct is not None:
-            try:
-                pwrite_direct(fd, direct, data, position, self._staging())
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                with self._lock:  # refused: this shard is written through the cache from now
-                    self._direct[shard] = None
-                # (Left open until the commit: another thread may be writing through it.)
-                direct = None
-        if direct is None:
-            pwrite_all(fd, data, position)
-            start_writeback(fd, position, length)
+
+        def path() -> Path:
+            # The very file of the shard's descriptor, not whatever its name holds now.
+            assert self.tmp is not None  # (a shard's descriptor exists once open() made it)
+            return fd_path(self._fds[shard], self.tmp / self.shards[shard].filename)
+
+        self._directs.write(shard, fd, path, data, position)
         self._done(shard, length)
 
     def phase(self, name: str, offset: int) -> int:
@@ -460,35 +445,6 @@ class CheckpointWriter:
         chunk that starts there at the same place in a block of memory goes to the disk
         without a copy (``pwrite_direct``)."""
         return (self._where(name)[1] + offset) % DIRECT_ALIGN
-
-    def _direct_fd(self, shard: int) -> int | None:
-        """Shard ``shard``'s O_DIRECT descriptor, opened on first use; None where there is none."""
-        if not self._use_direct or self.tmp is None:
-            return None
-        with self._lock:
-            if shard not in self._direct:
-                # The very file of the shard's descriptor, not whatever its name holds now.
-                named = self.tmp / self.shards[shard].filename
-                fd = open_direct(fd_path(self._fds[shard], named))
-                self._direct[shard] = fd
-                if fd is not None:
-                    self._direct_fds.append(fd)
-            return self._direct[shard]
-
-    def _staging(self) -> memoryview:
-        """This thread's page-aligned buffer for direct writes of unaligned memory."""
-        stage: memoryview | None = getattr(self._stage, "view", None)
-        if stage is None:
-            stage = self._stage.view = memoryview(mmap.mmap(-1, _STAGE_BYTES))
-        return stage
-
-    def _close_direct(self) -> None:
-        with self._lock:
-            fds, self._direct_fds = self._direct_fds, []
-            self._direct.clear()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
     def copy_range(
         self, name: str, src_fd: int, src_offset: int, length: int, offset: int = 0
@@ -580,7 +536,7 @@ class CheckpointWriter:
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
             self._close_inputs()
-            self._close_direct()  # (the shards' own descriptors fsync what went through them)
+            self._directs.close()  # (the shards' own descriptors fsync what went through them)
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
