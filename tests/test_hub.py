@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import weightmap
 from weightmap.errors import CheckpointError
@@ -474,3 +475,95 @@ def test_a_cancel_stops_the_download_between_files(
         weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", cancel=stop)
     assert len(asked) == 1  # the first file, not the second
     assert not (tmp_path / "out").exists()
+
+
+# ---- families of rank files on the Hub ------------------------------------------------------
+
+
+def _tensors(folder: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    out: dict[str, bytes] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(path).items():
+            out[name] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return out
+
+
+@pytest.fixture
+def meta(tmp_path: Path) -> tuple[Path, Path]:
+    """Meta's Llama 3 rank files and params.json, and the output of converting the folder."""
+    from several import meta_ranks
+
+    folder, _ = meta_ranks(tmp_path, "3", 2)
+    params = {"version": "3"}
+    weightmap.remap(folder, tmp_path / "local", preset="llama-meta-ranks-to-hf", params=params)
+    return folder, tmp_path / "local"
+
+
+def test_a_family_of_rank_files_read_from_a_repo_id(
+    tmp_path: Path, meta: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main input a Hub id whose top holds Meta's rank files: the members and params.json
+    are fetched (and the side files the plan keeps), one file a call; the output is the local
+    folder's, from Python and (offline, from the cache so filled) from the CLI."""
+    folder, local = meta
+    (folder / "notes").mkdir()
+    (folder / "notes" / "consolidated.00.pth").write_bytes(b"not a member: not at the top")
+    asked = _fake_hub(monkeypatch, tmp_path, folder)
+    weightmap.remap(
+        "org/llama", tmp_path / "hub", preset="llama-meta-ranks-to-hf", params={"version": "3"}
+    )
+    got = [call[0] for call in asked]
+    assert sorted(got[:3]) == ["consolidated.00.pth", "consolidated.01.pth", "params.json"]
+    assert got[3:] == ["tokenizer.model"]  # (a side file; notes/ holds weights, not carried)
+    assert _tensors(tmp_path / "hub") == _tensors(local)
+    assert (tmp_path / "hub" / "config.json").read_text() == (local / "config.json").read_text()
+    r = _run(
+        "convert", "org/llama", str(tmp_path / "cli"), "--preset", "llama-meta-ranks-to-hf",
+        "--set", "version=3", cache=tmp_path / "cache",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _tensors(tmp_path / "cli") == _tensors(local)
+
+
+_JOIN = """weightmap 1
+input ranks files "consolidated.{rank}.pth"
+merge "ranks:{r:int}:output.weight" dim 0 -> "meta.output.weight"
+drop "ranks:**"
+unmatched keep
+"""
+
+
+def test_a_family_bound_to_a_repo_id(
+    tmp_path: Path, example: Path, meta: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inputs={"ranks": "org/llama"}``: the family's members come from the repository (and
+    nothing else of it), the main input's tensors from a local folder."""
+    folder, local = meta
+    asked = _fake_hub(monkeypatch, tmp_path, folder)
+    out = tmp_path / "hub"
+    weightmap.remap(example, out, mapping=_JOIN, inputs={"ranks": "org/llama"}, progress=False)
+    assert sorted(call[0] for call in asked) == ["consolidated.00.pth", "consolidated.01.pth"]
+    got = _tensors(out)
+    assert got["meta.output.weight"] == _tensors(local)["lm_head.weight"]  # (write_model's join)
+    assert set(got) == {"meta.output.weight", *_tensors(example)}
+
+
+def test_a_repo_without_members_or_with_member_folders_is_named(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "params.json").write_text("{}")
+    _fake_hub(monkeypatch, tmp_path, remote)
+    preset = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
+    with pytest.raises(CheckpointError, match="holds no file the mapping's family") as e:
+        weightmap.remap("org/llama", tmp_path / "o", **preset)  # type: ignore[arg-type]
+    assert e.value.rule == "missing"
+    (remote / "consolidated.00.pth").mkdir()
+    (remote / "consolidated.00.pth" / "x").write_text("x")
+    _fake_hub(monkeypatch, tmp_path, remote)  # (the repository's files, listed again)
+    with pytest.raises(CheckpointError, match=r"members are folders .*\(hf download org/llama\)"):
+        weightmap.remap("org/llama", tmp_path / "o", **preset)  # type: ignore[arg-type]
+    assert not (tmp_path / "o").exists()

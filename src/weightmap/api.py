@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightmap.binding import bind_inputs, check_bindings, main_is_family_folder
+from weightmap.binding import bind_inputs, check_bindings, main_family, main_is_family_folder
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError, WeightmapError
 from weightmap.execute.options import DEFAULT_CHUNK_BYTES
@@ -152,9 +152,25 @@ def compile(
             )
         src = ResolvedInput(checkpoint.root, True)
         return _compile_for(src, checkpoint, rules, _params(params), side_files, allow_code)
-    src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=False)
+    src = _resolve(checkpoint, rules, inputs, progress=False)
     with _opened(src, rules, inputs, progress=False) as (ckpt, seen):
         return _compile_for(src, ckpt, rules, _params(params), side_files, allow_code, seen=seen)
+
+
+def _resolve(
+    checkpoint: PathLike,
+    rules: RuleMapping,
+    inputs: Mapping[str, PathLike] | None,
+    *,
+    progress: bool,
+    cancel: CancelToken | None = None,
+) -> ResolvedInput:
+    """The main input found: a Hub id's checkpoint files fetched, or, where the mapping reads a
+    family of rank files from it, the members and configs."""
+    family = main_family(rules.inputs, inputs)
+    return ResolvedInput.resolve(
+        checkpoint, rules.config_file, progress=progress, cancel=cancel, family=family
+    )
 
 
 @contextmanager
@@ -289,7 +305,7 @@ def remap(
     bars = progress is True or (progress is None and sys.stderr.isatty())
 
     # resolve the input -> compile -> run in the chosen mode.
-    src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=bars, cancel=token)
+    src = _resolve(checkpoint, rules, inputs, progress=bars, cancel=token)
     token.check()
     # One pause of the collector over the conversion (fs/gcpause.py): it ends once the mode
     # has returned, so that what the conversion made and dropped is never walked. A
@@ -464,7 +480,7 @@ def iter_tensors(
 
     token = as_token(cancel)
     rules = resolve_mapping(preset, mapping)
-    src = ResolvedInput.resolve(checkpoint, rules.config_file, progress=sys.stderr.isatty())
+    src = _resolve(checkpoint, rules, inputs, progress=sys.stderr.isatty())
     opened = _opened(src, rules, inputs, progress=sys.stderr.isatty(), cancel=token)
     ckpt, seen = opened.__enter__()
     try:

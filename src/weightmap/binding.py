@@ -16,7 +16,7 @@ rule, check and plan line works across inputs unchanged.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,22 @@ def main_is_family_folder(decls: tuple[A.InputDecl, ...], bindings: Mapping[str,
     """Whether a family reads its members from the main input's folder (no binding given):
     the main input then holds no tensors of its own, only its config and side files."""
     return any(d.files is not None and d.name not in bindings for d in decls)
+
+
+def main_family(
+    decls: tuple[A.InputDecl, ...], given: Mapping[str, PathLike] | None
+) -> Callable[[str], bool] | None:
+    """Which files of the main input's folder are members of a family read from it (a Hub
+    id's to fetch), or None where no family is (checked again, with the bindings, later)."""
+    bound = given if isinstance(given, Mapping) else {}
+    families = [d for d in decls if d.files is not None and d.name not in bound]
+    return _member_test(families) if families else None
+
+
+def _member_test(families: list[A.InputDecl]) -> Callable[[str], bool]:
+    """Whether a file name is a member of one of ``families`` (as ``_members`` matches)."""
+    patterns = [compile_pattern(d.files) for d in families if d.files is not None]
+    return lambda name: any(rx.fullmatch(name) for rx in patterns)
 
 
 def _config(root: Path, decl: A.InputDecl, default: dict[str, Any] | None) -> Any:
@@ -182,20 +198,26 @@ def bind_inputs(
     configs: list[tuple[A.InputDecl, Path, Any]] = []
     try:
         for decl in decls:
-            if decl.files is None:
+            src = None
+            if decl.name in bindings:
+                # A folder or a file, or a Hub id: its checkpoint files fetched, or a family's
+                # member files (the cache first).
                 src = ResolvedInput.resolve(
                     bindings[decl.name],
                     decl.config_file or CONFIG_NAME,
                     progress=progress,
                     cancel=cancel,
+                    family=None if decl.files is None else _member_test([decl]),
                 )
+            if decl.files is None:
+                assert src is not None  # (check_bindings: every plain input is bound)
                 ckpt = Checkpoint.open(src.path)
                 parts.append(ckpt)
                 opened.append((f"{decl.name}:", ckpt))
                 configs.append((decl, ckpt.root, ckpt.config))
                 values[decl.name] = {}
                 continue
-            folder = Path(bindings.get(decl.name, main.root))
+            folder = main.root if src is None else Path(src.path)
             members = _members(folder, decl)
             for rank, path in members:
                 ckpt = _open(path, rank_file=True)

@@ -22,6 +22,7 @@ import itertools
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -443,6 +444,29 @@ class HubRepo:
                 "layout",
             )
         return [pickles[0], *configs]
+
+    def family_files(
+        self, files: dict[str, int], member: Callable[[str], bool], config_name: str
+    ) -> list[str]:
+        """What opening a family of rank files at the repository's top reads: the members
+        (``member(name)``: Meta's ``consolidated.NN.pth``, say) and the configs."""
+        configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
+        members = [n for n in files if "/" not in n and member(n)]
+        folders = sorted({n.split("/")[0] for n in files if "/" in n and member(n.split("/")[0])})
+        if folders:
+            raise self._fail(
+                f"the family's members are folders ({', '.join(folders[:3])}), which weightmap "
+                "does not fetch from the Hub: download the repository (hf download "
+                f"{self.repo_id}) and give its local folder",
+                "layout",
+            )
+        if not members:
+            raise self._fail(
+                "holds no file the mapping's family of rank files matches (at the top of the "
+                "repository); check the repository, or give a local folder",
+                "missing",
+            )
+        return [*sorted(members), *configs]
 
     def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
         """The repository's side files (``inputs/sidefiles.py`` says which), not yet fetched."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,9 +73,14 @@ class ResolvedInput:
         *,
         progress: bool,
         cancel: CancelToken | None = None,
+        family: Callable[[str], bool] | None = None,
     ) -> ResolvedInput:
         """A local path as it is; a Hub id with its weights and config fetched (the cache
-        first, ``cancel`` checked between files), its side files listed but not fetched."""
+        first, ``cancel`` checked between files), its side files listed but not fetched.
+
+        ``family``: the folder holds a family of rank files (``family(name)`` says which of its
+        files are members) and no checkpoint of its own; of a Hub id, the members are fetched
+        with the configs (``config.json`` and ``config_name``)."""
         given = os.fspath(checkpoint)
         if given.startswith("~") and Path(given).expanduser().exists():
             checkpoint = given = os.path.expanduser(given)  # (quoted, so no shell expanded it)
@@ -89,7 +94,10 @@ class ResolvedInput:
             return cls(checkpoint, False)
         repo = HubRepo(given)
         listing = repo.files()
-        wanted = repo.checkpoint_files(listing, config_name)
+        if family is None:
+            wanted = repo.checkpoint_files(listing, config_name)
+        else:
+            wanted = repo.family_files(listing, family, config_name)
         return cls(repo.fetch(wanted, progress=progress, cancel=cancel), True, repo, listing)
 
     def side_files(
