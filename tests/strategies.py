@@ -322,9 +322,10 @@ def _quant_node(draw: st.DrawFn, op: str, node: Node) -> Node:
 
 def _narrowing(draw: st.DrawFn, node: Node) -> Node:
     """A cast that may not hold every value: a float to an integer (rounded and clamped first,
-    or not), an integer to a narrower one or to a float of smaller range, and maybe a slice of
-    it (a split whose other part is dropped: the values checked are the part kept's). Drawn
-    last in a chain, where the values an output holds are the cast's."""
+    or not), an integer to a narrower one or to a float of smaller range, maybe permuted, and
+    maybe a slice of it along any dim (a split whose other part is dropped: the values checked
+    are the part kept's). Drawn last in a chain, where the values an output holds are the
+    cast's."""
     if node.dtype in FLOATS:
         if draw(st.booleans()):  # whole numbers in range, mostly (NaN stays NaN)
             mode = draw(st.sampled_from(["round", "floor", "ceil"]))
@@ -338,6 +339,10 @@ def _narrowing(draw: st.DrawFn, node: Node) -> Node:
     if not targets:
         return node
     node = Cast(src=node, dtype=draw(st.sampled_from(targets)), shape=node.shape)
+    if len(node.shape) > 1 and draw(st.booleans()):  # transposed, say, before it is split
+        perm = tuple(draw(st.permutations(range(len(node.shape)))))
+        shape = tuple(node.shape[p] for p in perm)
+        node = Permute(src=node, perm=perm, dtype=node.dtype, shape=shape)
     dims = [d for d, n in enumerate(node.shape) if n > 1]
     if dims and draw(st.booleans()):  # a part of it only (a split whose other part is dropped)
         dim = draw(st.sampled_from(dims))

@@ -498,26 +498,41 @@ def test_a_config_edit_that_only_changes_a_json_type_is_an_edit(tmp_path: Path) 
 
 _CAST_PART = """weightmap 1
 cast "w" to i8 -> "w8"
-split "w8" dim 0 sizes [2, 2] -> "kept", "dropped"
+{between}split "{split}" dim {dim} sizes [2, 2] -> "kept", "dropped"
 drop "{drop}"
 """
 
 
 @pytest.mark.parametrize("drop", ["dropped", "kept"])
-def test_a_narrowing_cast_checks_the_values_an_output_holds(tmp_path: Path, drop: str) -> None:
+@pytest.mark.parametrize("how", ["rows", "columns", "transposed"])
+def test_a_narrowing_cast_checks_the_values_an_output_holds(
+    tmp_path: Path, drop: str, how: str
+) -> None:
     """remap, iter_tensors and verify agree: a part no output keeps may hold values the cast
-    cannot, and stops nothing; a part an output keeps stops all three."""
-    save_file({"w": torch.tensor([1, -2, 300, 400])}, tmp_path / "model.safetensors")
-    mapping = _CAST_PART.format(drop=drop)
+    cannot, and stops nothing; a part an output keeps stops all three. Split along the dim
+    the executor computes in chunks or across it, or after a transpose."""
+    w = torch.tensor([[1, -2, 300, 400], [3, 4, 500, 600], [5, 6, 700, 800], [7, 8, 900, 999]])
+    if how == "rows":
+        w = w.t().contiguous()
+    save_file({"w": w}, tmp_path / "model.safetensors")
+    between = 'transpose "w8" -> "t"\n' if how == "transposed" else ""
+    mapping = _CAST_PART.format(
+        between=between,
+        split="t" if how == "transposed" else "w8",
+        dim=1 if how == "columns" else 0,
+        drop=drop,
+    )
     if drop == "kept":
-        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 400\] do not fit in I8"):
+        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 999\] do not fit in I8"):
             weightmap.remap(tmp_path, tmp_path / "out", mapping=mapping, progress=False)
-        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 400\] do not fit in I8"):
+        with pytest.raises(weightmap.ExecutionError, match=r"\[300, 999\] do not fit in I8"):
             dict(weightmap.iter_tensors(tmp_path, mapping=mapping))
         assert not (tmp_path / "out").exists()
         return
     result = weightmap.remap(tmp_path, tmp_path / "out", mapping=mapping, progress=False)
-    expected = torch.tensor([1, -2], dtype=torch.int8)
+    expected = torch.tensor([[1, 3, 5, 7], [-2, 4, 6, 8]], dtype=torch.int8)
+    if how == "columns":
+        expected = expected.t()
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["kept"], expected)
     assert torch.equal(dict(weightmap.iter_tensors(tmp_path, mapping=mapping))["kept"], expected)
     assert weightmap.verify(tmp_path / "out", result.plan, source=tmp_path) == []

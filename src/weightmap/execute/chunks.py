@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from weightmap.execute import values
-from weightmap.execute.kernels import cast, evaluate, same
+from weightmap.execute.kernels import cast, evaluate, same, slice_first
 from weightmap.format.dtypes import DTYPES, numel
 from weightmap.plan.nodes import (
     Arith,
@@ -114,6 +114,9 @@ def region(
     if isinstance(node, Permute):
         return sub(node.src, node.perm[dim], start, stop).permute(node.perm)
     if isinstance(node, Slice):
+        sunk = slice_first(node)
+        if sunk is not node:  # (a narrowing cast under it: see slice_first)
+            return sub(sunk, dim, start, stop)
         if dim == node.dim:
             return sub(node.src, dim, node.start + start, node.start + stop)
         return sub(node.src, dim, start, stop).narrow(node.dim, node.start, node.stop - node.start)

@@ -118,6 +118,42 @@ def same(tensors: Sequence[torch.Tensor], node: Same, where: str) -> torch.Tenso
     return tensors[0]
 
 
+def slice_first(node: Slice) -> Node:
+    """``node`` with its slice taken before the casts and permutes under it, down to a
+    narrowing cast (the same values); ``node`` itself where there is none.
+
+    A narrowing cast checks every value it casts: sliced first, it checks the values an output
+    holds, not those of a part no output keeps (the rest of a split whose other part is
+    dropped, transposed or not). Every executor evaluates a slice so (``evaluate`` here, the
+    streaming executor's regions), so that they stop on the same inputs.
+    """
+    chain: list[Permute | Cast] = []
+    below: Node = node.src
+    while isinstance(below, Permute) or (isinstance(below, Cast) and not below.narrowing):
+        chain.append(below)
+        below = below.src
+    if not (isinstance(below, Cast) and below.narrowing):
+        return node
+    chain.append(below)
+    # The slice's dim in each node's source, walking down: a permute moves it.
+    dim = node.dim
+    for n in chain:
+        if isinstance(n, Permute):
+            dim = n.perm[dim]
+    bottom = chain[-1].src
+    shape = list(bottom.shape)
+    shape[dim] = node.stop - node.start
+    sunk: Node = replace(node, src=bottom, dim=dim, dtype=bottom.dtype, shape=tuple(shape))
+    # Back up: each node over the sliced source, its shape narrowed as the slice narrows it.
+    for n in reversed(chain):
+        if isinstance(n, Permute):
+            dims = sunk.shape
+            sunk = replace(n, src=sunk, shape=tuple(dims[p] for p in n.perm))
+        else:
+            sunk = replace(n, src=sunk, shape=sunk.shape)
+    return sunk
+
+
 def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") -> torch.Tensor:
     """The tensor a node produces, given ``get(name)`` for its input tensors."""
     import torch
@@ -131,12 +167,9 @@ def evaluate(node: Node, get: Callable[[str], torch.Tensor], where: str = "") ->
             f"{where}: {node.dtype} tensors can only be renamed, kept or reshaped here"
         )
     if isinstance(node, Slice):
-        if isinstance(node.src, Cast):
-            # Sliced before the cast, as the streaming executor computes it: a narrowing cast
-            # checks the values an output holds, not those of a part no output keeps (the rest
-            # of a split whose other part is dropped).
-            inner = replace(node, src=node.src.src, dtype=node.src.src.dtype)
-            return evaluate(replace(node.src, src=inner, shape=node.shape), get, where)
+        sunk = slice_first(node)
+        if sunk is not node:
+            return evaluate(sunk, get, where)
         return evaluate(node.src, get, where).narrow(node.dim, node.start, node.stop - node.start)
     if isinstance(node, Concat):
         return torch.cat([evaluate(s, get, where) for s in node.srcs], node.dim)
