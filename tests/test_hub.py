@@ -553,17 +553,45 @@ def test_a_family_bound_to_a_repo_id(
 def test_a_repo_without_members_or_with_member_folders_is_named(
     tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Checked on the repository's listing, before a byte is fetched: no member, a rank
+    missing, two members of one rank, members that are folders."""
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "params.json").write_text("{}")
-    _fake_hub(monkeypatch, tmp_path, remote)
     preset = {"preset": "llama-meta-ranks-to-hf", "params": {"version": "3"}}
-    with pytest.raises(CheckpointError, match="holds no file the mapping's family") as e:
-        weightmap.remap("org/llama", tmp_path / "o", **preset)  # type: ignore[arg-type]
-    assert e.value.rule == "missing"
-    (remote / "consolidated.00.pth").mkdir()
-    (remote / "consolidated.00.pth" / "x").write_text("x")
-    _fake_hub(monkeypatch, tmp_path, remote)  # (the repository's files, listed again)
-    with pytest.raises(CheckpointError, match=r"members are folders .*\(hf download org/llama\)"):
-        weightmap.remap("org/llama", tmp_path / "o", **preset)  # type: ignore[arg-type]
-    assert not (tmp_path / "o").exists()
+    cases = [
+        ([], r"no file or folder here matches input 'ranks'"),
+        (["consolidated.00.pth", "consolidated.02.pth"], r"ranks 0, 2: rank 1 is missing"),
+        (["consolidated.00.pth", "consolidated.0.pth"], r"are both rank 0 of input 'ranks'"),
+        (["consolidated.00.pth/x"], r"members are folders .*\(hf download org/llama\)"),
+    ]
+    for names, message in cases:
+        for old in remote.glob("consolidated.*"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for name in names:
+            (remote / name).parent.mkdir(exist_ok=True)
+            (remote / name).write_bytes(b"weights")
+        asked = _fake_hub(monkeypatch, tmp_path, remote)
+        with pytest.raises(CheckpointError, match=message) as e:
+            weightmap.remap("org/llama", tmp_path / "o", **preset)  # type: ignore[arg-type]
+        assert "org/llama" in str(e.value) and asked == [], (names, asked)
+        assert not (tmp_path / "o").exists()
+
+
+def test_the_family_config_is_fetched(
+    tmp_path: Path, meta: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A family that reads a config of its own (``config from``) gets it from the repository
+    too, and expressions see it."""
+    folder, _ = meta
+    (folder / "ranks.json").write_text('{"n": 2}')
+    asked = _fake_hub(monkeypatch, tmp_path, folder)
+    mapping = """weightmap 1
+input ranks files "consolidated.{rank}.pth" config from "ranks.json"
+require ranks.config.n == ranks.count else "ranks.json disagrees"
+merge "ranks:{r:int}:output.weight" dim 0 -> "output.weight"
+drop "ranks:**"
+"""
+    plan = weightmap.compile("org/llama", mapping=mapping)
+    assert [o.name for o in plan.outputs] == ["output.weight"]
+    assert "ranks.json" in [call[0] for call in asked]

@@ -16,7 +16,7 @@ rule, check and plan line works across inputs unchanged.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,20 +89,30 @@ def main_is_family_folder(decls: tuple[A.InputDecl, ...], bindings: Mapping[str,
     return any(d.files is not None and d.name not in bindings for d in decls)
 
 
+@dataclass(frozen=True)
+class FolderFamilies:
+    """The families a mapping reads from one folder, as ``ResolvedInput.resolve`` asks of a
+    Hub repository's top: their members (each family's ranks checked as for a local folder,
+    before anything is fetched) and the config files they read."""
+
+    decls: tuple[A.InputDecl, ...]
+
+    @property
+    def configs(self) -> tuple[str, ...]:
+        return tuple(d.config_file for d in self.decls if d.config_file is not None)
+
+    def members(self, names: list[str], where: str) -> list[str]:
+        return [name for decl in self.decls for _, name in _ranked(names, decl, where)]
+
+
 def main_family(
     decls: tuple[A.InputDecl, ...], given: Mapping[str, PathLike] | None
-) -> Callable[[str], bool] | None:
-    """Which files of the main input's folder are members of a family read from it (a Hub
-    id's to fetch), or None where no family is (checked again, with the bindings, later)."""
+) -> FolderFamilies | None:
+    """The families read from the main input's folder (a Hub id's members to fetch), or
+    None where there is none (checked again, with the bindings, later)."""
     bound = given if isinstance(given, Mapping) else {}
-    families = [d for d in decls if d.files is not None and d.name not in bound]
-    return _member_test(families) if families else None
-
-
-def _member_test(families: list[A.InputDecl]) -> Callable[[str], bool]:
-    """Whether a file name is a member of one of ``families`` (as ``_members`` matches)."""
-    patterns = [compile_pattern(d.files) for d in families if d.files is not None]
-    return lambda name: any(rx.fullmatch(name) for rx in patterns)
+    families = tuple(d for d in decls if d.files is not None and d.name not in bound)
+    return FolderFamilies(families) if families else None
 
 
 def _config(root: Path, decl: A.InputDecl, default: dict[str, Any] | None) -> Any:
@@ -129,10 +139,17 @@ def _members(folder: Path, decl: A.InputDecl) -> list[tuple[int, Path]]:
             path=folder,
             rule="layout",
         )
+    return [(rank, folder / name) for rank, name in _ranked(os.listdir(folder), decl, folder)]
+
+
+def _ranked(names: Iterable[str], decl: A.InputDecl, folder: str | Path) -> list[tuple[int, str]]:
+    """Of the entries ``names`` of ``folder``, the family's members by rank: a number each,
+    one member a rank, ranks 0..n-1 (the errors name the entries)."""
+    assert decl.files is not None
     rx = compile_pattern(decl.files)
     (cap,) = decl.files.captures
-    ranks: dict[int, Path] = {}
-    for entry in sorted(os.listdir(folder)):
+    ranks: dict[int, str] = {}
+    for entry in sorted(names):
         m = rx.fullmatch(entry)
         if m is None:
             continue
@@ -147,11 +164,11 @@ def _members(folder: Path, decl: A.InputDecl) -> list[tuple[int, Path]]:
         rank = int(text)
         if rank in ranks:
             raise CheckpointError(
-                f"{ranks[rank].name} and {entry} are both rank {rank} of input {decl.name!r}",
+                f"{ranks[rank]} and {entry} are both rank {rank} of input {decl.name!r}",
                 path=folder,
                 rule="rank",
             )
-        ranks[rank] = folder / entry
+        ranks[rank] = entry
     if not ranks:
         raise CheckpointError(
             f"no file or folder here matches input {decl.name!r}'s {decl.files.text!r}",
@@ -207,7 +224,7 @@ def bind_inputs(
                     decl.config_file or CONFIG_NAME,
                     progress=progress,
                     cancel=cancel,
-                    family=None if decl.files is None else _member_test([decl]),
+                    family=None if decl.files is None else FolderFamilies((decl,)),
                 )
             if decl.files is None:
                 assert src is not None  # (check_bindings: every plain input is bound)

@@ -160,7 +160,8 @@ class DirectWrites:
 
     def used(self) -> bool:
         """Whether any file got a descriptor for direct writes."""
-        return any(fd is not None for fd in self._direct.values())
+        with self._lock:
+            return any(fd is not None for fd in self._direct.values())
 
     def _fd(self, key: int, path: Callable[[], str | os.PathLike[str]]) -> int | None:
         with self._lock:

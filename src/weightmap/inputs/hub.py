@@ -22,9 +22,8 @@ import itertools
 import os
 import re
 import stat
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from weightmap.errors import CheckpointError
@@ -44,6 +43,10 @@ from weightmap.inputs.sidefiles import (
     replaced_reason,
     resolve_path,
 )
+
+if TYPE_CHECKING:
+    from weightmap.inputs.resolve import Family
+
 
 __all__ = ["HubRepo", "looks_like_repo_id"]
 
@@ -445,14 +448,13 @@ class HubRepo:
             )
         return [pickles[0], *configs]
 
-    def family_files(
-        self, files: dict[str, int], member: Callable[[str], bool], config_name: str
-    ) -> list[str]:
-        """What opening a family of rank files at the repository's top reads: the members
-        (``member(name)``: Meta's ``consolidated.NN.pth``, say) and the configs."""
-        configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
-        members = [n for n in files if "/" not in n and member(n)]
-        folders = sorted({n.split("/")[0] for n in files if "/" in n and member(n.split("/")[0])})
+    def family_files(self, files: dict[str, int], family: Family, config_name: str) -> list[str]:
+        """What opening families of rank files at the repository's top reads: the members
+        (Meta's ``consolidated.NN.pth``, say; their ranks checked on the listing, before any
+        download) and the configs."""
+        tops = sorted({name.split("/")[0] for name in files})
+        members = family.members(tops, self.spec)
+        folders = [name for name in members if name not in files]  # (listed with "/" below)
         if folders:
             raise self._fail(
                 f"the family's members are folders ({', '.join(folders[:3])}), which weightmap "
@@ -460,13 +462,8 @@ class HubRepo:
                 f"{self.repo_id}) and give its local folder",
                 "layout",
             )
-        if not members:
-            raise self._fail(
-                "holds no file the mapping's family of rank files matches (at the top of the "
-                "repository); check the repository, or give a local folder",
-                "missing",
-            )
-        return [*sorted(members), *configs]
+        names = (CONFIG_NAME, config_name, *family.configs)
+        return [*members, *(n for n in dict.fromkeys(names) if n in files)]
 
     def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
         """The repository's side files (``inputs/sidefiles.py`` says which), not yet fetched."""

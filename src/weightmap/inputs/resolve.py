@@ -11,10 +11,10 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from weightmap.errors import CheckpointError
 from weightmap.format.names import CONFIG_NAME
@@ -54,6 +54,18 @@ def check_local_path(given: str) -> None:
     raise CheckpointError(f"no such file or folder{nor}{hint}", path=given, rule="missing")
 
 
+class Family(Protocol):
+    """Families of rank files read from one folder (``binding.FolderFamilies``)."""
+
+    @property
+    def configs(self) -> Sequence[str]:
+        """The config files the families read from the folder."""
+
+    def members(self, names: list[str], where: str) -> list[str]:
+        """Of the folder's entries ``names``, the members (ranks checked; ``where`` names
+        the folder in errors)."""
+
+
 @dataclass
 class ResolvedInput:
     """A checkpoint as the caller named it, found: ``path`` is what ``Checkpoint.open`` takes;
@@ -73,14 +85,14 @@ class ResolvedInput:
         *,
         progress: bool,
         cancel: CancelToken | None = None,
-        family: Callable[[str], bool] | None = None,
+        family: Family | None = None,
     ) -> ResolvedInput:
         """A local path as it is; a Hub id with its weights and config fetched (the cache
         first, ``cancel`` checked between files), its side files listed but not fetched.
 
-        ``family``: the folder holds a family of rank files (``family(name)`` says which of its
-        files are members) and no checkpoint of its own; of a Hub id, the members are fetched
-        with the configs (``config.json`` and ``config_name``)."""
+        ``family``: the folder holds families of rank files and no checkpoint of its own; of a
+        Hub id, the members are fetched with the configs (``config.json``, ``config_name`` and
+        the families' own)."""
         given = os.fspath(checkpoint)
         if given.startswith("~") and Path(given).expanduser().exists():
             checkpoint = given = os.path.expanduser(given)  # (quoted, so no shell expanded it)
