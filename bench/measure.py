@@ -48,6 +48,8 @@ class SizeResult:
     to_f32: dict[str, Samples]
     to_bf16: dict[str, Samples]
     cold: dict[str, Samples] | None = None
+    # The in-place runs of the --baseline commit, interleaved with this checkout's.
+    inplace_before: Samples | None = None
 
 
 def rename_source() -> tuple[str, list[str]]:
@@ -99,7 +101,7 @@ def measure_size(
     rename = runner.compare(rename_tools, [src], repeat, check=checker(expected))
 
     log(f"{size_gb:g} GB: in-place rename, {repeat} runs")
-    inplace = _measure_inplace(runner, src, dims, files, repeat)
+    inplace, inplace_before = _measure_inplace(runner, src, dims, files, repeat)
 
     cold_samples = None
     if cold:
@@ -117,7 +119,9 @@ def measure_size(
     log(f"{size_gb:g} GB: cast f32 -> bf16, {repeat} runs each")
     to_bf16 = _measure_cast(runner, src32, files["to_bf16"], "to-bf16", CAST_TO_BF16, repeat)
     shutil.rmtree(base)
-    return SizeResult(size_gb, nbytes, dims, rename, inplace, to_f32, to_bf16, cold_samples)
+    return SizeResult(
+        size_gb, nbytes, dims, rename, inplace, to_f32, to_bf16, cold_samples, inplace_before
+    )
 
 
 def _rename_tools(
@@ -141,19 +145,25 @@ def _before(args: list[str]) -> dict[str, Callable[[], list[str]]]:
 
 def _measure_inplace(
     runner: Runner, src: Path, dims: Dims, files: dict[str, Path], repeat: int
-) -> Samples:
-    """Rename ``src`` in place and back, ``repeat`` times, leaving it as it was."""
+) -> tuple[Samples, Samples | None]:
+    """Rename ``src`` in place and back, ``repeat`` times, leaving it as it was; with a
+    --baseline, that commit's runs too, alternating with this checkout's."""
     inplace = Samples()
+    before = Samples() if "before" in SOURCES else None
     runner.clean()
     job = ["inplace", str(src), "--mapping", str(files["forward"]), "--back", str(files["back"])]
     for i in range(repeat + 1):
         result = runner.job(job)
         if i:  # the first is an untimed warm-up
             inplace.runs.append(result)
+        if before is not None:
+            result = runner.job(job, tool="before")
+            if i:
+                before.runs.append(result)
     # The casts that follow read the same checkpoint, so it must have its names back.
     if set(read_header(src)) != set(dims.tensors("BF16")):
         raise RuntimeError("the in-place runs did not leave the checkpoint as it was")
-    return inplace
+    return inplace, before
 
 
 def _measure_cast(

@@ -301,7 +301,10 @@ def _groups(
     for r in sizes:
         size = f"{r.nbytes / GB:.2f} GB"
         out.append((f"{size}: rename", r.rename))
-        out.append((f"{size}: in place (first call)", {"weightmap": r.inplace}))
+        inplace = {"weightmap": r.inplace}
+        if r.inplace_before is not None:
+            inplace["before"] = r.inplace_before
+        out.append((f"{size}: in place (first call)", inplace))
         if r.cold:
             out.append((f"{size}: rename, cold cache", r.cold))
         out.append((f"{size}: bf16 -> f32", r.to_f32))

@@ -183,6 +183,13 @@ def _cold_note(r: SizeResult, c: dict[str, Samples]) -> str:
     )
 
 
+def _before_calls(before: Samples | None) -> list[str]:
+    """The --baseline commit's first and second call, where it ran."""
+    if before is None:
+        return []
+    return [fmt_ms(before.median("seconds")), fmt_ms(before.median("second"))]
+
+
 def inplace_section(sizes: list[SizeResult]) -> list[str]:
     """Section 2: renaming in place, first and second call of each process."""
     rows = [
@@ -196,9 +203,12 @@ def inplace_section(sizes: list[SizeResult]) -> list[str]:
             fmt_ms(r.inplace.median("second")),
             fmt_ms(r.inplace.max("second")),
             fmt_mib(r.inplace.median("rss_peak")),
+            *_before_calls(r.inplace_before),
         ]
         for r in sizes
     ]
+    before = any(r.inplace_before is not None for r in sizes)
+    header = (*_INPLACE_HEADER, *(("before: first call", "before: second call") if before else ()))
     return [
         "## 2. Rename in place",
         "",
@@ -206,9 +216,10 @@ def inplace_section(sizes: list[SizeResult]) -> list[str]:
         "fsynced); no data byte moves. Each run is a fresh process that renames `layers.0.*` to "
         "`midlayer.*` (**first call**, the figure a command-line user sees) and then back "
         "(**second call**, same process, the rule-language parser already in memory), so every "
-        "call renames all 9 layer tensors.",
+        "call renames all 9 layer tensors."
+        + (" **before** runs alternate with weightmap's, run by run." if before else ""),
         "",
-        *table(_INPLACE_HEADER, rows),
+        *table(header, rows),
         "",
     ]
 
