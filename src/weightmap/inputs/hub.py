@@ -45,7 +45,7 @@ from weightmap.inputs.sidefiles import (
 )
 
 if TYPE_CHECKING:
-    from weightmap.inputs.resolve import Family
+    from weightmap.inputs.family import Family
 
 
 __all__ = ["HubRepo", "looks_like_repo_id"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from weightmap.errors import CheckpointError
 from weightmap.format.names import CONFIG_NAME
@@ -23,6 +23,7 @@ from weightmap.inputs.sidefiles import FolderFiles, list_side_files
 if TYPE_CHECKING:
     from weightmap.fs.cancel import CancelToken
     from weightmap.inputs.checkpoint import Checkpoint
+    from weightmap.inputs.family import Family
     from weightmap.inputs.hub import HubRepo
 
 __all__ = ["ResolvedInput", "check_local_path", "open_checkpoint"]
@@ -52,18 +53,6 @@ def check_local_path(given: str) -> None:
     hint = f"; did you mean {shown}/{close[0]}?" if close else ""
     nor = "" if parent.is_dir() else f" (nor is {parent} a folder)"
     raise CheckpointError(f"no such file or folder{nor}{hint}", path=given, rule="missing")
-
-
-class Family(Protocol):
-    """Families of rank files read from one folder (``binding.FolderFamilies``)."""
-
-    @property
-    def configs(self) -> Sequence[str]:
-        """The config files the families read from the folder."""
-
-    def members(self, names: list[str], where: str) -> list[str]:
-        """Of the folder's entries ``names``, the members (ranks checked; ``where`` names
-        the folder in errors)."""
 
 
 @dataclass
