@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 
 import weightmap
 from weightmap import cli
-from weightmap.execute import cluster
+from weightmap.execute import cluster, streaming
 from weightmap.fs import cancel as fs_cancel
 from weightmap.fs.cancel import CancelToken, as_token
 from weightmap.inputs.checkpoint import Checkpoint
@@ -245,6 +245,30 @@ def test_keyboard_interrupt_in_the_main_thread_stops_the_writer_threads(tmp_path
     assert len(seen) == after  # nothing runs on
     assert after < 8 * 256 * 1024 * 2 // (32 * 1024) // 2  # chunks of 32 KiB: far from all
     assert _entries(tmp_path) == {"small"}
+
+
+def test_no_task_runs_before_every_worker_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C from the first task (its progress callback) must not land while the next
+    worker is being started: interrupted in ``Thread.start``, the pool never learns of that
+    worker, and the run returns with it still running. A slow start shows whether the first
+    task waited for it."""
+    real_start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        if self.name.endswith("_1"):  # the pool's second worker
+            time.sleep(0.3)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    workers_seen: list[int] = []
+
+    def task() -> None:
+        workers_seen.append(
+            len([t for t in threading.enumerate() if t.name.startswith("weightmap")])
+        )
+
+    streaming._run_all([task] * 4, 2, CancelToken())
+    assert workers_seen[0] == 2
 
 
 def test_iter_tensors_stops_between_tensors(tmp_path: Path) -> None:

@@ -210,8 +210,20 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
             task()
         return
     pool = ThreadPoolExecutor(workers, thread_name_prefix="weightmap")
+    # No task starts before every worker has: ``Thread.start`` waits for the new thread, and
+    # a KeyboardInterrupt there (a Ctrl-C from the first task's progress callback, say) leaves
+    # a worker the pool never learnt of, which its shutdown does not wait for.
+    go = threading.Event()
+
+    def gated(task: Callable[[], None]) -> None:
+        go.wait()
+        task()
+
     try:
-        futures = [pool.submit(task) for task in tasks]
+        try:
+            futures = [pool.submit(gated, task) for task in tasks]
+        finally:
+            go.set()
         # Woken by the first failure, not by the first future in order (which may be the
         # largest tensor, still running).
         _wait_first_failure(futures)
@@ -222,7 +234,23 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
         halt.cancel()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        _shut_down(pool, halt)
+
+
+def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken) -> None:
+    """Cancel the queued tasks and wait for the running ones, which stop at their next chunk
+    once ``halt`` is cancelled. A KeyboardInterrupt during the wait (a second Ctrl-C) cancels
+    ``halt`` and is raised once every worker has ended, never leaving one running."""
+    interrupted: KeyboardInterrupt | None = None
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            break
+        except KeyboardInterrupt as exc:
+            halt.cancel()
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 # How often the thread waiting on the workers wakes to run pending signal handlers (seconds).
