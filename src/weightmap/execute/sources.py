@@ -36,14 +36,18 @@ _FEW_SEGMENTS = 64
 
 def _copied(out: OutputTensor, ckpt: Checkpoint) -> list[Segment] | None:
     """The input byte ranges an output copies, or None when it is computed."""
-    segments = byte_segments(out.node)
-    if segments is None or not all(ckpt.has_range(s.name) for s in segments):
-        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
     size = nbytes(out.node.dtype, out.node.shape)
-    if len(segments) <= _FEW_SEGMENTS or size // len(segments) >= _MIN_SEGMENT:
-        return segments
-    # Computing is only faster; for a dtype torch cannot compute in it is no way at all.
-    return segments if out.node.dtype in OPAQUE_DTYPES else None
+    # Computing is faster than many small kernel copies; for a dtype torch cannot compute in
+    # it is no way at all. Past the count worth copying, the ranges are not even listed (a
+    # join of eight ranks along dim 1 is 32,768 ranges a tensor: a second of the main
+    # thread's time, before any work starts, for a list thrown away).
+    limit = 1 << 20 if out.node.dtype in OPAQUE_DTYPES else max(_FEW_SEGMENTS, size // _MIN_SEGMENT)
+    segments = byte_segments(out.node, limit)
+    if segments is None or len(segments) > limit:
+        return None
+    if not all(ckpt.has_range(s.name) for s in segments):
+        return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
+    return segments
 
 
 class Sources:
