@@ -550,11 +550,54 @@ def test_a_family_bound_to_a_repo_id(
     assert set(got) == {"meta.output.weight", *_tensors(example)}
 
 
+_FOLDERS = """weightmap 1
+input ranks files "rank{rank}"
+merge "ranks:{r:int}:w" dim 0 -> "w"
+merge "ranks:{r:int}:b" same -> "b"
+"""
+
+
+def test_a_family_of_rank_folders_read_from_a_repo_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository whose top holds a checkpoint folder per rank (one a single file, one an
+    index and its shards): of each folder, what opening it as a checkpoint reads is fetched,
+    and the side files the plan keeps; the output is the local folder's."""
+    from safetensors.torch import save_file
+
+    remote = tmp_path / "remote"
+    for rank in (0, 1):
+        (remote / f"rank{rank}").mkdir(parents=True)
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    b = torch.ones(6, dtype=torch.bfloat16)
+    save_file({"w": w[:2].clone(), "b": b}, remote / "rank0" / "model.safetensors")
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file({"w": w[2:].clone()}, remote / "rank1" / shards[0])
+    save_file({"b": b.clone()}, remote / "rank1" / shards[1])
+    index = {"metadata": {}, "weight_map": {"w": shards[0], "b": shards[1]}}
+    (remote / "rank1" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (remote / "rank1" / "notes.txt").write_text("not part of the checkpoint")
+    weightmap.remap(remote, tmp_path / "local", mapping=_FOLDERS, progress=False)
+    asked = _fake_hub(monkeypatch, tmp_path, remote)
+    weightmap.remap("org/ranks", tmp_path / "hub", mapping=_FOLDERS, progress=False)
+    got = {call[0] for call in asked}
+    # Of the folders, their checkpoints; and notes.txt, a side file, as from the local folder.
+    weights = ["rank0/model.safetensors", "rank1/model.safetensors.index.json"]
+    assert got == {*weights, *(f"rank1/{s}" for s in shards), "rank1/notes.txt"}
+    files = [
+        sorted(p.relative_to(o) for p in o.rglob("*"))
+        for o in (tmp_path / "hub", tmp_path / "local")
+    ]
+    assert files[0] == files[1]
+    assert _tensors(tmp_path / "hub") == _tensors(tmp_path / "local")
+    assert _tensors(tmp_path / "hub")["w"] == w.numpy().tobytes()
+
+
 def test_a_repo_without_members_or_with_member_folders_is_named(
     tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checked on the repository's listing, before a byte is fetched: no member, a rank
-    missing, two members of one rank, members that are folders."""
+    missing, two members of one rank, a member folder that holds no checkpoint."""
     remote = tmp_path / "remote"
     remote.mkdir()
     (remote / "params.json").write_text("{}")
@@ -563,7 +606,10 @@ def test_a_repo_without_members_or_with_member_folders_is_named(
         ([], r"no file or folder here matches input 'ranks'"),
         (["consolidated.00.pth", "consolidated.02.pth"], r"ranks 0, 2: rank 1 is missing"),
         (["consolidated.00.pth", "consolidated.0.pth"], r"are both rank 0 of input 'ranks'"),
-        (["consolidated.00.pth/x"], r"members are folders .*\(hf download org/llama\)"),
+        (
+            ["consolidated.00.pth/x"],
+            r"no checkpoint weightmap reads in its folder 'consolidated.00.pth'",
+        ),
     ]
     for names, message in cases:
         for old in remote.glob("consolidated.*"):

@@ -406,10 +406,13 @@ class HubRepo:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
 
-    def checkpoint_files(self, files: dict[str, int], config_name: str) -> list[str]:
+    def checkpoint_files(
+        self, files: dict[str, int], config_name: str, folder: str = ""
+    ) -> list[str]:
         """What opening the checkpoint reads, as ``Checkpoint.open`` looks for it: an index and
         its shards, or one weights file; and the config. The index is fetched to find the
-        shards."""
+        shards. ``folder`` (ending in ``/``): the checkpoint is that folder of the repository,
+        ``files`` its listing (names inside it); the names returned are inside it too."""
         configs = [n for n in dict.fromkeys((CONFIG_NAME, config_name)) if n in files]
         # Checkpoint.open's order, so that a repository holding both forms (model.safetensors
         # and a PyTorch index, say) is read from the same files as a local copy of it.
@@ -419,7 +422,7 @@ class HubRepo:
             if name in (SINGLE_NAME, PICKLE_SINGLE, *ADAPTER_NAMES):
                 return [name, *configs]
             index_name = name
-            index_path = self.fetch([index_name]) / index_name
+            index_path = self.fetch([folder + index_name]) / folder / index_name
             index = read_folder_json(index_path.parent, index_path, "the index")
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
@@ -433,7 +436,7 @@ class HubRepo:
             absent = [s for s in shards if s not in files]
             if absent and not self.offline:
                 raise self._fail(
-                    f"{index_name} names shard(s) the repository does not have: "
+                    f"{folder}{index_name} names shard(s) the repository does not have: "
                     f"{', '.join(absent[:5])}",
                     "missing-shard",
                 )
@@ -441,29 +444,31 @@ class HubRepo:
         pickles = sorted(n for n in files if "/" not in n and n.endswith((".pt", ".pth")))
         if len(pickles) != 1:
             found = f": it has {', '.join(pickles[:4])}" if pickles else ""
+            where = f"its folder {folder[:-1]!r}" if folder else "it"
             raise self._fail(
-                f"holds no checkpoint weightmap reads ({SINGLE_NAME} or its index, "
+                f"holds no checkpoint weightmap reads in {where} ({SINGLE_NAME} or its index, "
                 f"{PICKLE_SINGLE} or its index, or one .pt/.pth file){found}",
                 "layout",
             )
         return [pickles[0], *configs]
 
     def family_files(self, files: dict[str, int], family: Family, config_name: str) -> list[str]:
-        """What opening families of rank files at the repository's top reads: the members
-        (Meta's ``consolidated.NN.pth``, say; their ranks checked on the listing, before any
-        download) and the configs."""
+        """What opening families of rank files or folders at the repository's top reads: the
+        members (Meta's ``consolidated.NN.pth``, say; their ranks checked on the listing,
+        before any download), of a member folder what opening it as a checkpoint reads (as
+        ``checkpoint_files``), and the configs."""
         tops = sorted({name.split("/")[0] for name in files})
-        members = family.members(tops, self.spec)
-        folders = [name for name in members if name not in files]  # (listed with "/" below)
-        if folders:
-            raise self._fail(
-                f"the family's members are folders ({', '.join(folders[:3])}), which weightmap "
-                "does not fetch from the Hub: download the repository (hf download "
-                f"{self.repo_id}) and give its local folder",
-                "layout",
-            )
+        wanted: list[str] = []
+        for member in family.members(tops, self.spec):
+            if member in files:
+                wanted.append(member)
+                continue
+            # A folder (listed by the names under it): each is a checkpoint of its own.
+            folder = member + "/"
+            inside = {n[len(folder) :]: size for n, size in files.items() if n.startswith(folder)}
+            wanted += [folder + n for n in self.checkpoint_files(inside, config_name, folder)]
         names = (CONFIG_NAME, config_name, *family.configs)
-        return [*members, *(n for n in dict.fromkeys(names) if n in files)]
+        return [*wanted, *(n for n in dict.fromkeys(names) if n in files)]
 
     def side_files(self, files: dict[str, int], config_name: str) -> FolderFiles:
         """The repository's side files (``inputs/sidefiles.py`` says which), not yet fetched."""
