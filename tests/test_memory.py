@@ -134,3 +134,37 @@ def test_a_transpose_does_not_keep_its_input_mapped(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], big.t())
+
+
+def test_an_fp8_dequantization_stays_within_the_chunk_budget(tmp_path: Path) -> None:
+    """fp8 weights times their 128x128 block scales, to bf16, as DeepSeek-V3's checkpoints
+    are dequantized: a chunk's intermediates are its float32 values alone (the scales are
+    applied a band of block rows at a time, the fp8 bytes decoded in slices), not the
+    expanded scales, the product and numpy's index copy beside them."""
+    src = tmp_path / "in"
+    src.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(8):
+        w = torch.randn(3072, 4096, generator=gen).clamp(-400, 400)
+        tensors[f"l{i}.weight"] = w.to(torch.float8_e4m3fn)
+        tensors[f"l{i}.weight_scale_inv"] = torch.rand(24, 32, generator=gen) + 0.5
+    save_file(tensors, src / "model.safetensors")
+    (tmp_path / "m.wm").write_text(
+        "weightmap 1\n"
+        'mul "{x*}.weight", "{x*}.weight_scale_inv" block [128, 128] in f32 to bf16 '
+        '-> "{x}.weight"\n'
+        '    where dtype == f8_e4m3 or name == x + ".weight_scale_inv"\n'
+    )
+    peaks = _peaks(tmp_path)
+    # The chunk budget (8 MiB over both threads), what torch and numpy allocate on the side
+    # (16 MiB), a chunk's float32 values per thread (within the budget); the output is
+    # 192 MiB, the input 96 MiB.
+    assert peaks["after"] - peaks["before"] < 8 + 16 + 2 * 8, peaks
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    for i in (0, 7):
+        w, s = tensors[f"l{i}.weight"], tensors[f"l{i}.weight_scale_inv"]
+        scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        assert torch.equal(out[f"l{i}.weight"], (w.to(torch.float32) * scale).to(torch.bfloat16))

@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import weightmap
 from weightmap import ExecutionError, MappingError
+from weightmap.format.dtypes import DTYPES
 
 from valuetools import as_bytes, run_every_way, save_checkpoint
 
@@ -293,3 +296,48 @@ def test_fp8_quant_preset_round_trip(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head", "embed_tokens"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_block_operands_applied_by_bands_give_the_expanded_operands_bits(data: Any) -> None:
+    """A block-broadcast operand is combined a band of block rows at a time, in place, from
+    a block height of ``values._BAND_MIN``: the same bits as the operand expanded to the full
+    shape, for every op, block and region of the block grid (a chunk starting inside a block),
+    NaNs and infinities included."""
+    from weightmap.execute import values
+    from weightmap.plan.nodes import Binary, Source
+
+    lead = data.draw(st.sampled_from([(), (2,)]))
+    nblocked = data.draw(st.integers(1, 2))
+    block = tuple(
+        data.draw(st.integers(values._BAND_MIN, 12) if i == 0 else st.integers(1, 6))
+        for i in range(nblocked)
+    )
+    full = tuple(data.draw(st.integers(1, 3 * b + 2)) for b in block)
+    # The region a chunk computes: rows [r0, r1) of the first blocked dim.
+    r0 = data.draw(st.integers(0, full[0] - 1))
+    r1 = data.draw(st.integers(r0 + 1, full[0]))
+    shape = (*lead, r1 - r0, *full[1:])
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    dtype = data.draw(st.sampled_from(["BF16", "F32"]))  # (F32: converting it is a no-op)
+    a = torch.randn(shape, generator=gen).to(DTYPES[dtype].torch())
+    specials = torch.tensor([math.nan, math.inf, -math.inf])
+    a.view(-1)[:3] = specials[: min(3, a.numel())]
+    before = a.clone()
+    grid = tuple(-(-n // b) for n, b in zip(full, block, strict=True))
+    b_full = torch.randn((*lead, *grid), generator=gen)
+    b = b_full.narrow(len(lead), r0 // block[0], (r1 - 1) // block[0] - r0 // block[0] + 1)
+    offsets = (r0 % block[0], *(0 for _ in block[1:]))
+    op = data.draw(st.sampled_from(["add", "sub", "mul"]))
+    node = Binary(
+        a=Source(name="a", dtype=dtype, shape=shape),
+        b=Source(name="b", dtype="F32", shape=tuple(b.shape)),
+        op=op, block=block, compute="F32", dtype="BF16", shape=shape,
+    )  # fmt: skip
+    got = values.binary(a, b, node, offsets)
+    ac = a.to(torch.float32)
+    bc = values.expand_blocks(b, block, shape, offsets)
+    want = {"add": ac + bc, "sub": ac - bc, "mul": ac * bc}[op].to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(a.view(torch.uint8), before.view(torch.uint8))  # (never written)

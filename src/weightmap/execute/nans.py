@@ -135,6 +135,7 @@ def convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # Smaller tensors (a chunk's edge, a scale) keep torch's path: building the table costs more.
 _TABLE_MIN_ELEMENTS = 1 << 16
 _PAIR_WORD = {4: "uint64", 2: "uint32"}  # the output's element size -> a pair's numpy type
+_TAKE_PAIRS = 1 << 17  # pairs looked up per call (a 1 MiB copy of their indices)
 
 
 @cache
@@ -172,8 +173,12 @@ def _decode_e4m3(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     out = torch.empty(n, dtype=dtype)
     words = out.view(torch.uint8).numpy()[: even * dtype.itemsize].view(table.dtype)
     # mode="clip": every 16-bit index is in the table, and unlike "raise" it writes into
-    # ``out`` without a buffer.
-    np.take(table, codes[:even].view(np.uint16), out=words, mode="clip")
+    # ``out`` without a buffer. In slices: numpy copies the indices into an array of its
+    # own index type (8 bytes a pair), which for a whole chunk was as large as the output.
+    pairs = codes[:even].view(np.uint16)
+    for lo in range(0, pairs.size, _TAKE_PAIRS):
+        hi = lo + _TAKE_PAIRS
+        np.take(table, pairs[lo:hi], out=words[lo:hi], mode="clip")
     if n % 2:
         out[-1:] = convert(t.reshape(-1)[-1:], dtype)  # (one element: torch's path)
     return out.view(t.shape)

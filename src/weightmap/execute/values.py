@@ -94,8 +94,55 @@ def binary(
     compute = _torch(node.compute)
     ac, bc = convert(a, compute), convert(b, compute)
     if node.block:
-        bc = expand_blocks(bc, node.block, tuple(a.shape), offsets or (0,) * len(node.block))
+        offsets = offsets or (0,) * len(node.block)
+        if node.block[0] >= _BAND_MIN:
+            return convert(_by_bands(node.op, ac, a, bc, node.block, offsets), _torch(node.dtype))
+        bc = expand_blocks(bc, node.block, tuple(a.shape), offsets)
     return convert(_combine(node.op, ac, bc), _torch(node.dtype))
+
+
+# From this block height on, a block-broadcast operand is applied a band of block rows at a
+# time rather than expanded to the full shape.
+_BAND_MIN = 8
+
+
+def _by_bands(
+    op: str,
+    ac: torch.Tensor,
+    a: torch.Tensor,
+    bc: torch.Tensor,
+    block: tuple[int, ...],
+    offsets: Sequence[int],
+) -> torch.Tensor:
+    """``_combine(op, ac, expand_blocks(bc, ...))`` without the expanded operand or a third
+    tensor: ``bc`` is expanded along every blocked dim but the first (a block's height fewer
+    elements than the whole), and combined into ``ac`` in place one band of block rows at a
+    time, each band with its row of ``bc`` broadcast over it. Element by element the same
+    operation on the same operands, so the same bits; a chunk's intermediates are ``ac`` alone
+    (fp8 dequantization: 4 bytes an element, where the expanded scales and the product were
+    8 more)."""
+    if ac.data_ptr() == a.data_ptr():
+        ac = ac.clone()  # (the conversion was a no-op: never write into the input's view)
+    lead = ac.dim() - len(block)
+    shape = tuple(ac.shape)
+    rest = bc
+    for i in range(1, len(block)):
+        d = lead + i
+        rest = rest.repeat_interleave(block[i], dim=d).narrow(d, offsets[i], shape[d])
+    first = block[0]
+    start, j = 0, 0
+    while start < shape[lead]:
+        stop = min(shape[lead], (j + 1) * first - offsets[0])
+        band = ac.narrow(lead, start, stop - start)
+        row = rest.narrow(lead, j, 1)
+        if op == "add":
+            band.add_(row)
+        elif op == "sub":
+            band.sub_(row)
+        else:
+            band.mul_(row)
+        start, j = stop, j + 1
+    return ac
 
 
 def quantize(x: torch.Tensor, node: Quantize) -> torch.Tensor:
