@@ -23,10 +23,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from common import scratch
 from sections import write_section
 
 HERE = Path(__file__).resolve().parent
@@ -145,7 +145,7 @@ def main() -> None:
     if args.make is not None:
         print(make_checkpoint(args.make, args.gb))
         return
-    work = Path(tempfile.mkdtemp(prefix="wm-fp8-", dir=args.workdir))
+    work = scratch("wm-fp8-", args.workdir)
     try:
         src = work / "fp8"
         # In a process of its own: a child forked from a process that held the tensors would

@@ -23,11 +23,10 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import time
 from pathlib import Path
 
-from common import HERE
+from common import HERE, scratch
 from jobs import SOURCES, Launcher, Runner, Samples
 from sections import write_section
 
@@ -96,7 +95,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args()
     launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-many-", dir=args.workdir))
+    workdir = scratch("weightmap-many-", args.workdir)
     try:
         src = workdir / "many"
         nbytes = write_many(src, args.tensors, args.shards)

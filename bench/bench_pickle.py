@@ -29,10 +29,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from common import scratch
 
 KEEP = "weightmap 1\nunmatched keep\n"
 CAST = """weightmap 1
@@ -175,7 +176,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="weightmap-bench-pickle-", dir=args.workdir))
+    work = scratch("weightmap-bench-pickle-", args.workdir)
     try:
         src = work / "model"
         size = build(src, args.size_gb)

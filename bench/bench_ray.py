@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import PRESET, Filler, _write_file, dims_for, make_config, warm, write_checkpoint
-from common import GB, MIB, ROOT, log
+from common import GB, MIB, ROOT, log, scratch
 from sections import write_section
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -206,7 +206,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-bench-ray-", dir=args.workdir))
+    workdir = scratch("weightmap-bench-ray-", args.workdir)
     memory = Path(tempfile.mkdtemp(prefix="weightmap-bench-ray-", dir="/dev/shm"))
     rows: list[tuple[str, str, float, Results]] = []
     try:

@@ -28,11 +28,11 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from common import scratch
 from jobs import Launcher, Runner, Samples
 from sections import write_section
 
@@ -202,7 +202,7 @@ def main() -> None:
     p.add_argument("--skip-peft", action="store_true", help="without peft's column")
     args = p.parse_args()
     launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-several-", dir=args.workdir))
+    workdir = scratch("weightmap-several-", args.workdir)
     try:
         meta = workdir / "meta"
         t0 = time.perf_counter()

@@ -37,7 +37,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import warm
-from common import HERE
+from common import HERE, scratch
 from jobs import SOURCES, Launcher, Runner, Samples
 from sections import write_section
 
@@ -124,7 +123,7 @@ def _setup(args: argparse.Namespace) -> Iterator[tuple[Launcher, Path, Path, int
     """The launcher, a scratch folder and the checkpoint in it (``args.gb``), with its bytes;
     the baseline tree registered as **before**. Everything is removed afterwards."""
     launcher = Launcher()  # (started before anything heavy: see bench/jobs.py)
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-write-", dir=args.workdir))
+    workdir = scratch("weightmap-write-", args.workdir)
     try:
         if args.baseline is not None:
             SOURCES["before"] = args.baseline.resolve()

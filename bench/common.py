@@ -38,3 +38,13 @@ def compile_tree(src: Path) -> None:
         [sys.executable, "-m", "compileall", "-q", str(src)], check=True, stdout=subprocess.DEVNULL
     )
     _COMPILED.add(src)
+
+
+def scratch(prefix: str, workdir: Path | None) -> Path:
+    """A new scratch folder for one bench run, inside ``workdir`` (made if it is missing) or
+    the system's temporary folder."""
+    import tempfile
+
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))

@@ -40,7 +40,7 @@ from checkpoints import (
     TRANSPOSE,
     Filler,
 )
-from common import ROOT, log
+from common import ROOT, log, scratch
 from jobs import SOURCES, Launcher, Runner, can_drop_caches
 from limits import CowResults, LimitResult, measure_cow, measure_many
 from measure import OpResult, SizeResult, compile_speed, measure_ops, measure_size, rename_source
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()[0]
     # Before anything heavy is imported, so that the jobs' peak RSS is their own (see jobs.py).
     launcher = Launcher()
-    workdir = Path(tempfile.mkdtemp(prefix="weightmap-bench-", dir=args.workdir))
+    workdir = scratch("weightmap-bench-", args.workdir)
     log(f"scratch folder {workdir}")
     cold_ok = not args.quick and not args.no_cold and can_drop_caches()
     cold_note = _cold_note(args, cold_ok)
