@@ -247,42 +247,6 @@ def test_keyboard_interrupt_in_the_main_thread_stops_the_writer_threads(tmp_path
     assert _entries(tmp_path) == {"small"}
 
 
-def test_a_ctrl_c_lost_in_a_finalizer_still_stops_the_run() -> None:
-    """Python's handler raises KeyboardInterrupt in whatever the main thread runs next; in a
-    finalizer (a ``__del__``, a weakref callback) it is printed as ignored and lost. Inside
-    ``interrupt_cancels`` the signal also cancels the run's token, and the lost interrupt is
-    raised on leaving; outside it, Python's handler is in place again."""
-    token = CancelToken()
-    with pytest.raises(KeyboardInterrupt), fs_cancel.interrupt_cancels(token):
-        try:  # (a finalizer that swallows it)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        assert token.cancelled and token.signal == signal.SIGINT
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    # The stop the cancelled token caused is reported as the interrupt it was.
-    with pytest.raises(KeyboardInterrupt) as caught, fs_cancel.interrupt_cancels(CancelToken()):
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        raise weightmap.Cancelled("the conversion was cancelled; nothing was committed")
-    assert isinstance(caught.value.__cause__, weightmap.Cancelled)
-    # A handler of the caller's is left alone.
-    calls: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
-    try:
-        token = CancelToken()
-        with fs_cancel.interrupt_cancels(token):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)
-        assert calls == [signal.SIGINT] and not token.cancelled
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def test_no_task_runs_before_every_worker_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C from the first task (its progress callback) must not land while the next
     worker is being started: interrupted in ``Thread.start``, the pool never learns of that

@@ -35,7 +35,7 @@ from weightmap.execute.options import DEFAULT_CHUNK_BYTES, check_workers, defaul
 from weightmap.execute.sources import plan_writer
 from weightmap.format.options import Layouts
 from weightmap.format.writer import COPY_PIECE, CheckpointWriter, Piece
-from weightmap.fs.cancel import CancelToken, interrupt_cancels
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import OutputTensor, Plan
 
@@ -204,11 +204,6 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
     conversion is minutes: the queued ones are cancelled instead, and ``halt`` stops the ones
     running at their next boundary, so that the caller sees the failure within one chunk.
     """
-    with interrupt_cancels(halt):
-        _run_tasks(tasks, workers, halt)
-
-
-def _run_tasks(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToken) -> None:
     if workers == 1:
         for task in tasks:
             halt.check()

@@ -22,14 +22,7 @@ from contextlib import contextmanager
 
 from weightmap.errors import Cancelled
 
-__all__ = [
-    "CancelSource",
-    "CancelToken",
-    "as_token",
-    "hand_off_releases",
-    "interrupt_cancels",
-    "keep_open_elsewhere",
-]
+__all__ = ["CancelSource", "CancelToken", "as_token", "hand_off_releases", "keep_open_elsewhere"]
 
 CancelSource = threading.Event | Callable[[], bool]
 
@@ -91,48 +84,6 @@ class CancelToken:
         finally:
             with self._lock:
                 self._shields -= 1
-
-
-@contextmanager
-def interrupt_cancels(token: CancelToken) -> Iterator[None]:
-    """While inside, Ctrl-C also cancels ``token``, where Python's own SIGINT handler is in
-    place in the main thread (a handler of the caller's, or another thread: nothing changes).
-
-    Python's handler only raises KeyboardInterrupt, in whatever the main thread runs next,
-    and when that is a finalizer (a ``__del__``, a weakref callback: the garbage collector
-    runs them wherever it is set off) the exception is printed as ignored and lost, and the
-    run went on to commit (seen in a full test session, never alone). Here the signal
-    cancels ``token`` first, so the work stops at its next chunk whatever becomes of the
-    exception, and a KeyboardInterrupt lost on the way is raised on leaving the block (in
-    place of the ``Cancelled`` the stop then raised). Python's handler is back on leaving.
-    """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    fired = False
-
-    def handler(signum: int, frame: object) -> None:
-        nonlocal fired
-        fired = True
-        token.cancel(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        if fired:
-            raise KeyboardInterrupt from exc
-        raise
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if fired:
-        raise KeyboardInterrupt
 
 
 def as_token(cancel: CancelSource | CancelToken | None) -> CancelToken:
