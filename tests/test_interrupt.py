@@ -150,6 +150,19 @@ def test_the_cli_puts_its_handlers_back() -> None:
 
 
 @pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, which raises KeyboardInterrupt, as a program started from
+    a terminal has it: one started with SIGINT ignored (a background job of a shell script,
+    as some CI runners start their steps) keeps it ignored, and a Ctrl-C there raises
+    nothing, in weightmap or anywhere."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def handlers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The command line's signal handlers used in this process: what they switch on for the
     rest of a stopped command (the hand-off of the output's files) is switched off after."""
@@ -219,6 +232,7 @@ def test_cancel_from_a_progress_callback(tmp_path: Path, workers: int, kind: str
     assert isinstance(weightmap.Cancelled("x"), weightmap.WeightmapError)
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_keyboard_interrupt_in_the_main_thread_stops_the_writer_threads(tmp_path: Path) -> None:
     """Ctrl-C in a program that embeds the library (Python's own handler, no CLI): the
     KeyboardInterrupt reaches the caller once the running chunks end, not after the queue."""
