@@ -285,6 +285,37 @@ def test_no_task_runs_before_every_worker_has_started(monkeypatch: pytest.Monkey
     assert workers_seen[0] == 2
 
 
+def test_an_interrupt_while_the_gate_opens_does_not_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt inside the gate's ``set`` (before its flag is set) left the workers
+    waiting at it and the shutdown joining them for ever: the shutdown opens it again."""
+
+    class Gate(threading.Event):
+        tries = 0
+
+        def set(self) -> None:
+            Gate.tries += 1
+            if Gate.tries == 1:
+                raise KeyboardInterrupt
+            super().set()
+
+    monkeypatch.setattr(streaming, "_Gate", Gate)
+    ran: list[int] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            streaming._run_all([lambda: ran.append(1)] * 4, 2, CancelToken())
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=run)  # (a hang shows as a thread still alive)
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    assert [type(e) for e in failed] == [KeyboardInterrupt]
+    assert ran == []  # (the run was stopped before any task: none ran after the gate opened)
+
+
 def test_iter_tensors_stops_between_tensors(tmp_path: Path) -> None:
     src = _small(tmp_path)
     event = threading.Event()

@@ -213,15 +213,19 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
     # No task starts before every worker has: ``Thread.start`` waits for the new thread, and
     # a KeyboardInterrupt there (a Ctrl-C from the first task's progress callback, say) leaves
     # a worker the pool never learnt of, which its shutdown does not wait for.
-    go = threading.Event()
+    go = _Gate()
 
     def gated(task: Callable[[], None]) -> None:
         go.wait()
+        halt.check()  # (a worker started as the submission failed holds a task: dropped)
         task()
 
     try:
         try:
             futures = [pool.submit(gated, task) for task in tasks]
+        except BaseException:
+            halt.cancel()  # (before the gate opens)
+            raise
         finally:
             go.set()
         # Woken by the first failure, not by the first future in order (which may be the
@@ -234,16 +238,19 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
         halt.cancel()
         raise
     finally:
-        _shut_down(pool, halt)
+        _shut_down(pool, halt, go)
 
 
-def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken) -> None:
+def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken, go: threading.Event) -> None:
     """Cancel the queued tasks and wait for the running ones, which stop at their next chunk
     once ``halt`` is cancelled. A KeyboardInterrupt during the wait (a second Ctrl-C) cancels
-    ``halt`` and is raised once every worker has ended, never leaving one running."""
+    ``halt`` and is raised once every worker has ended, never leaving one running. The gate
+    is opened on every try: an interrupt inside ``go.set()`` may have left it shut, and the
+    workers waiting at it would never end."""
     interrupted: KeyboardInterrupt | None = None
     while True:
         try:
+            go.set()
             pool.shutdown(wait=True, cancel_futures=True)
             break
         except KeyboardInterrupt as exc:
@@ -252,6 +259,9 @@ def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken) -> None:
     if interrupted is not None:
         raise interrupted
 
+
+# The gate's type (a seam: the tests interrupt its opening).
+_Gate = threading.Event
 
 # How often the thread waiting on the workers wakes to run pending signal handlers (seconds).
 _WAKE_EVERY = 0.05

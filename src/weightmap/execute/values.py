@@ -95,15 +95,18 @@ def binary(
     ac, bc = convert(a, compute), convert(b, compute)
     if node.block:
         offsets = offsets or (0,) * len(node.block)
-        if node.block[0] >= _BAND_MIN:
+        if node.block[0] >= _BAND_MIN and node.compute in _BAND_COMPUTE:
             return convert(_by_bands(node.op, ac, a, bc, node.block, offsets), _torch(node.dtype))
         bc = expand_blocks(bc, node.block, tuple(a.shape), offsets)
     return convert(_combine(node.op, ac, bc), _torch(node.dtype))
 
 
 # From this block height on, a block-broadcast operand is applied a band of block rows at a
-# time rather than expanded to the full shape.
+# time rather than expanded to the full shape. Only where the compute dtype's NaNs do not
+# depend on how the elements are split into runs: torch's bfloat16 arithmetic gives one NaN
+# in its vector loop and another in its scalar one, and each band ends a run of its own.
 _BAND_MIN = 8
+_BAND_COMPUTE = frozenset({"F32", "F64"})
 
 
 def _by_bands(
