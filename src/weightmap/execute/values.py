@@ -13,8 +13,9 @@ transformers' ``Fp8Quantize``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import operator
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from weightmap.errors import ExecutionError
 from weightmap.execute.nans import convert
@@ -65,11 +66,21 @@ def arith(x: torch.Tensor, node: Arith) -> torch.Tensor:
 
 
 def _combine(op: str, a: torch.Tensor, b: torch.Tensor | int | float) -> torch.Tensor:
-    if op == "add":
-        return a + b
-    if op == "sub":
-        return a - b
-    return a * b
+    out: torch.Tensor = _OPS[op](a, b)
+    return out
+
+
+# Each op, and the same op in place into its first operand (the same bits: one kernel).
+_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+}
+_IN_PLACE: dict[str, Callable[[Any, Any], Any]] = {
+    "add": operator.iadd,
+    "sub": operator.isub,
+    "mul": operator.imul,
+}
 
 
 def expand_blocks(
@@ -137,13 +148,7 @@ def _by_bands(
     while start < shape[lead]:
         stop = min(shape[lead], (j + 1) * first - offsets[0])
         band = ac.narrow(lead, start, stop - start)
-        row = rest.narrow(lead, j, 1)
-        if op == "add":
-            band.add_(row)
-        elif op == "sub":
-            band.sub_(row)
-        else:
-            band.mul_(row)
+        _IN_PLACE[op](band, rest.narrow(lead, j, 1))
         start, j = stop, j + 1
     return ac
 
