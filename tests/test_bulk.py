@@ -3,19 +3,25 @@ or leaves the mapping to the working set: same outputs, origins, drops and error
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import weightmap
 from weightmap.compiler import bulk
 from weightmap.compiler import compile as compile_module
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format import header as header_module
+from weightmap.format.dtypes import SpecTable, TensorSpec
+from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language import ast as A
 from weightmap.language.mapping import load_mapping
+from weightmap.plan.parts import OutputTable
 
 PATTERNS = [
     '"a.{i:int}.{r*}"',
@@ -221,3 +227,76 @@ def test_columns_take_a_rename_of_every_tensor(monkeypatch: pytest.MonkeyPatch) 
     taken.clear()
     _outcome('weightmap 1\nrename "model.layers.{i:int}.{r*}" -> "l.{i}.{r}"\n', specs, True)
     assert taken == [True]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mappings(), inputs())
+def test_a_table_of_inputs_is_the_specs(text: str, specs: list[TensorSpec]) -> None:
+    """Compiled from a checkpoint's table of specs (columns), a plan has the outputs, drops and
+    errors it has compiled from the specs themselves; where one alternative takes every input,
+    its outputs are a table too."""
+    table = SpecTable.of(specs)
+    assert table == specs and list(table) == specs
+    outcome = _outcome(text, table, one_pass=True)  # type: ignore[arg-type]
+    assert outcome == _outcome(text, specs, one_pass=True), text
+    try:
+        plan = compile_plan(load_mapping(text), table, None)
+    except MappingError:
+        return
+    event(f"outputs as a table: {isinstance(plan.outputs, OutputTable)}")
+    if isinstance(plan.outputs, OutputTable):
+        assert plan.is_rename_only
+        assert list(plan.output_specs()) == [o.spec for o in plan.outputs]
+        assert plan.output_nbytes() == sum(o.spec.nbytes for o in plan.outputs)
+
+
+def _shards(folder: Path) -> None:
+    """Three shards and an index, written by safetensors itself: tensors of several dtypes."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    weight_map = {}
+    gen = torch.Generator().manual_seed(0)
+    for s in range(3):
+        tensors = {
+            f"model.layers.{s}.mlp.experts.{e}.w{j}": torch.randn((3 + e, 5 + j), generator=gen).to(
+                [torch.bfloat16, torch.float32, torch.float16][(e + j) % 3]
+            )
+            for e in range(4)
+            for j in range(3)
+        }
+        tensors[f"model.layers.{s}.mask"] = torch.ones(7, dtype=torch.bool)
+        name = f"model-{s + 1:05d}-of-00003.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("layout", ["clone", "reference"])
+@pytest.mark.parametrize("max_shard_size", ["5GB", 600])
+def test_a_rename_read_as_columns_writes_the_bytes_of_one_read_as_objects(
+    tmp_path: Path, layout: str, max_shard_size: int | str
+) -> None:
+    """The headers read as columns, the plan's outputs a table, the layout from the columns:
+    the very bytes of the conversion made of one object per tensor."""
+    _shards(tmp_path / "in")
+    mapping = 'weightmap 1\nrename "model.layers.{n}.{rest*}" -> "layers.{n}.{rest}"\n'
+    options: dict[str, Any] = {"mapping": mapping, "layout": layout}
+    options["max_shard_size"] = max_shard_size
+    weightmap.remap(tmp_path / "in", tmp_path / "columns", **options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(header_module, "_column_header", lambda *args: None)
+        real = Checkpoint.specs
+        patch.setattr(Checkpoint, "specs", lambda self: tuple(real(self)))
+        taken = _spy(patch, bulk, "_table_alternative")
+        weightmap.remap(tmp_path / "in", tmp_path / "objects", **options)
+        assert taken == []
+    names = sorted(p.name for p in (tmp_path / "columns").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "objects").iterdir())
+    assert any(name.endswith(".safetensors") for name in names)
+    for name in names:
+        assert (tmp_path / "columns" / name).read_bytes() == (
+            tmp_path / "objects" / name
+        ).read_bytes(), name

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from strategies import (
@@ -33,6 +33,7 @@ from strategies import (
     PROGRAMS,
     SHARDS,
     VALID_INDEX,
+    byte_mutations,
     config_docs,
     header_entries,
     header_files,
@@ -399,6 +400,131 @@ def test_fuzz_header_quick_decoding_agrees_with_the_strict_one(raw: bytes) -> No
             strict = None
     if quick is not None:
         assert quick == strict
+
+
+def _parsed(raw: bytes, file_size: int, columns: bool) -> Header | tuple[str | None, str]:
+    """The header ``raw`` parses to, read as columns where it can be or never so, or the
+    rule and message of the error it gets."""
+    patch = pytest.MonkeyPatch()
+    if not columns:
+        patch.setattr(header_module, "_column_header", lambda *args: None)
+    try:
+        with time_limit():
+            return parse_header(raw, header_size=len(raw), file_size=file_size, path="h")
+    except FormatError as exc:
+        return exc.rule, str(exc)
+    finally:
+        patch.undo()
+
+
+@st.composite
+def writer_headers(draw: st.DrawFn) -> dict[str, Any]:
+    """Headers as writers write them, mostly: names of a checkpoint's alphabet, tensors none
+    empty; sometimes any header ``header_entries`` gives."""
+    if draw(st.integers(0, 3)) == 0:
+        return draw(header_entries())
+    # Now and then a character JSON escapes (the decoders' then).
+    odd = ["\x01", "\\", '"'] if draw(st.integers(0, 3)) == 0 else []
+    alphabet = st.sampled_from([*"ab.0123_é€/:{}[],", *odd])
+    names = draw(st.lists(st.text(alphabet, min_size=1, max_size=8), min_size=1, max_size=6))
+    header: dict[str, Any] = {}
+    if draw(st.booleans()):
+        header["__metadata__"] = draw(
+            st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)
+        )
+    offset = 0
+    for name in names:
+        dtype = draw(st.sampled_from(["BF16", "F32", "I8", "F8_E4M3", "BOOL", "F4"]))
+        shape = draw(st.lists(st.integers(1, 5), max_size=3))
+        if DTYPES[dtype].bits == 4 and math.prod(shape) % 2:
+            shape.append(2)
+        size = math.prod(shape) * DTYPES[dtype].bits // 8
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    return header
+
+
+@CI
+@given(
+    header=writer_headers(),
+    compact=st.booleans(),
+    ascii_only=st.booleans(),
+    pad=st.integers(0, 9),
+    mutate=st.integers(0, 3),
+    data=st.data(),
+)
+def test_fuzz_header_columns_agree_with_the_decoders(
+    header: dict[str, Any], compact: bool, ascii_only: bool, pad: int, mutate: int, data: Any
+) -> None:
+    """A header read as columns (one split of the text, a map per column) is the header the
+    decoders read, for every header the columns take, mutated or not; one they do not take is
+    left to the decoders, which say what is wrong with it."""
+    # (json's default separators put spaces in; with ensure_ascii, escapes.)
+    separators = (",", ":") if compact or mutate == 1 else None
+    entries = [k for k in header if k != "__metadata__"]
+    if mutate == 3 and entries:  # a shape that disagrees with its offsets
+        entry = header[data.draw(st.sampled_from(entries))]
+        entry["shape"] = [*entry["shape"], data.draw(st.integers(0, 3))]
+    raw = json.dumps(header, separators=separators, ensure_ascii=ascii_only).encode()
+    raw += b" " * pad
+    size = max((header[k]["data_offsets"][1] for k in entries), default=0)
+    file_size = 8 + len(raw) + size  # (a mutation leaves it as the header said)
+    if mutate == 2:
+        raw = data.draw(byte_mutations(raw))
+    taken: list[bool] = []
+    real = header_module._column_header
+
+    def spy(*args: Any) -> Any:
+        found = real(*args)
+        taken.append(found is not None)
+        return found
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(header_module, "_column_header", spy)
+    try:
+        columns = _parsed(raw, file_size, True)
+    finally:
+        patch.undo()
+    decoders = _parsed(raw, file_size, False)
+    event(f"columns taken: {any(taken)}")
+    assert columns == decoders
+    if isinstance(columns, Header):
+        assert columns.metadata == decoders.metadata  # type: ignore[union-attr]
+        assert list(columns.tensors.values()) == list(decoders.tensors.values())  # type: ignore[union-attr]
+
+
+def test_a_header_as_writers_write_it_is_read_as_columns() -> None:
+    # (The property above holds trivially if the columns never take a header.)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "k": "é"}}
+    for i in range(5):
+        header[f"l.{i}.w"] = {
+            "dtype": "BF16",
+            "shape": [2, 3],
+            "data_offsets": [12 * i, 12 * i + 12],
+        }
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False) + "   "
+
+    def columns(text: str) -> Any:
+        size = len(text.encode())
+        return header_module._column_header(text, size, 8 + size + 60)
+
+    parsed = columns(text)
+    assert parsed is not None
+    metadata, table = parsed
+    assert metadata == {"format": "pt", "k": "é"}
+    assert table.names == [f"l.{i}.w" for i in range(5)]
+    assert all(shape is table.shapes[0] for shape in table.shapes)
+    assert table["l.3.w"] == header_module.TensorInfo("l.3.w", "BF16", (2, 3), 36, 48)
+    # A hole, an empty tensor, keys in another order, a space, an escape: the decoders'.
+    first = '{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}'
+    for old, new in [
+        ('"data_offsets":[0,12]', '"data_offsets":[0,11]'),
+        (first, '{"dtype":"BF16","shape":[0],"data_offsets":[0,0]}'),
+        (first, '{"shape":[2,3],"dtype":"BF16","data_offsets":[0,12]}'),
+        ('"l.2.w":{', '"l.2.w": {'),
+        ('"l.2.w"', '"l.\\u0032.w"'),
+    ]:
+        assert columns(text.replace(old, new, 1)) is None, new
 
 
 def _depth(value: Any) -> int:

@@ -144,7 +144,7 @@ def _named_mapping(spec: str) -> Mapping:
 
 
 def _summary(plan: Plan) -> str:
-    total = sum(s.nbytes for s in plan.output_specs())
+    total = plan.output_nbytes()
     # Code files named even where the plan itself is not shown (a conversion without --dry-run).
     code = [one_line(f.name) for f in plan.files if f.code]
     more = ", ..." if len(code) > 3 else ""

@@ -179,7 +179,7 @@ def _write(
     out = options.out
     tick, close = progress_fn(
         options.progress,
-        lambda: sum(s.nbytes for s in plan.output_specs()) + sum(f.size for f in plan.files),
+        lambda: plan.output_nbytes() + sum(f.size for f in plan.files),
     )
 
     def before_commit(folder: Path, stats: ExecutionStats) -> None:
@@ -200,7 +200,7 @@ def _write(
     # The shards are counted only where even one per output would not fit (a pass over every
     # output's size, on the path of every conversion otherwise).
     if not has_room(len(ckpt.files) + len(plan.outputs)):
-        total = sum(s.nbytes for s in plan.output_specs())
+        total = plan.output_nbytes()
         per_shard = parse_size(options.max_shard_size)
         shards = min(len(plan.outputs), total // per_shard + 1 + len(ckpt.files))
         make_room(len(ckpt.files) + shards)

@@ -16,14 +16,16 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from itertools import starmap
 from operator import attrgetter, methodcaller
+from typing import cast
 
 from weightmap.compiler.ops import tensor_namer
 from weightmap.compiler.route import Router
 from weightmap.errors import LocatedProblem
-from weightmap.format.dtypes import TensorSpec, sized_specs
+from weightmap.format.dtypes import SpecTable, TensorSpec, sized_specs
 from weightmap.language import ast as A
 from weightmap.language.values import Scope
 from weightmap.plan.nodes import Source
+from weightmap.plan.parts import OutputTable, output_names
 from weightmap.plan.plan import Dropped, OutputTensor
 
 __all__ = ["bulk_renames"]
@@ -40,7 +42,7 @@ def bulk_renames(
     inputs: Sequence[TensorSpec],
     unmatched: A.Unmatched | None,
     where: A.Loc,
-) -> tuple[list[OutputTensor], list[Dropped]] | None:
+) -> tuple[Sequence[OutputTensor], list[Dropped]] | None:
     """``run_rules``'s outputs and drops for keep/rename rules without filters, or None.
 
     Each input goes to the first rule that takes it, as in the working set; its output is
@@ -80,10 +82,15 @@ def bulk_renames(
     made: list[tuple[str, int]] = []  # (output name, rule) where it differs from the input's
     dropped: list[Dropped] = []
     of_source, of_output = Source.of, OutputTensor.of
+    table: OutputTable | None = None
     taken = _one_alternative(inputs, fullmatch, outer, owners, rules, namers, positional, below)
     if taken is not None:  # every input to one alternative: by C calls, as the loop would
-        k, outputs = taken
-        rule_of = dict.fromkeys(map(_NAME, inputs), owners[k][0])
+        k, found_outputs = taken
+        if isinstance(found_outputs, OutputTable):
+            table = found_outputs
+        else:
+            outputs = list(found_outputs)
+        rule_of = dict.fromkeys(_names_of(inputs), owners[k][0])
         hit[k] = True
     else:
         for spec in inputs:
@@ -139,13 +146,13 @@ def bulk_renames(
             return None  # a pattern that matches nothing: the working set says why
     # Names are unique in the working set at every moment: an output may only take the name
     # of an input that a rule up to its own has taken already.
-    names = [o.name for o in outputs]
+    names = output_names(outputs if table is None else table)
     if len(set(names)) != len(names):
         return None
     for new, r in made:
         if rule_of.get(new, -1) > r:
             return None
-    return outputs, dropped
+    return (outputs if table is None else table), dropped
 
 
 def _one_alternative(
@@ -157,7 +164,7 @@ def _one_alternative(
     namers: Sequence[object],
     positional: Sequence[Callable[..., str] | None],
     below: Sequence[tuple[FullMatch, dict[int, int], list[Owner]] | None],
-) -> tuple[int, list[OutputTensor]] | None:
+) -> tuple[int, Sequence[OutputTensor]] | None:
     """The outputs of the loop in ``bulk_renames`` where one pattern alternative takes every
     input, and that alternative; None where it is not so, or where a rule below would take an
     output (the loop then goes input by input).
@@ -168,15 +175,14 @@ def _one_alternative(
     """
     if not inputs:
         return None
+    if isinstance(inputs, SpecTable):
+        parts = (fullmatch, outer, owners, rules, namers, positional, below)
+        return _table_alternative(inputs, *parts)
     names = list(map(_NAME, inputs))
-    found = list(map(fullmatch, names))
-    if None in found:
+    one = _the_alternative(names, fullmatch, outer, owners)
+    if one is None:
         return None
-    alternatives = {outer[last or 0] for last in set(map(_LASTINDEX, found))}
-    if len(alternatives) != 1:
-        return None
-    (k,) = alternatives
-    r = owners[k][0]
+    found, k, r = one
     count = len(inputs)
     dtypes = list(map(_DTYPE, inputs))
     shapes = list(map(_SHAPE, inputs))
@@ -194,6 +200,54 @@ def _one_alternative(
         return None
     sources = Source.many(count, names, dtypes, shapes)
     return k, OutputTensor.many(count, specs, sources, rules[r].loc)
+
+
+def _the_alternative(
+    names: Sequence[str], fullmatch: FullMatch, outer: Mapping[int, int], owners: Sequence[Owner]
+) -> tuple[list[re.Match[str]], int, int] | None:
+    """Each name's match, the one pattern alternative that takes them all and its rule; None
+    where a name matches nothing or the names go to several alternatives."""
+    found = list(map(fullmatch, names))
+    if None in found:
+        return None
+    alternatives = {outer[last or 0] for last in set(map(_LASTINDEX, found))}
+    if len(alternatives) != 1:
+        return None
+    (k,) = alternatives
+    return cast(list["re.Match[str]"], found), k, owners[k][0]
+
+
+def _table_alternative(
+    inputs: SpecTable,
+    fullmatch: FullMatch,
+    outer: Mapping[int, int],
+    owners: Sequence[Owner],
+    rules: Sequence[A.Rule],
+    namers: Sequence[object],
+    positional: Sequence[Callable[..., str] | None],
+    below: Sequence[tuple[FullMatch, dict[int, int], list[Owner]] | None],
+) -> tuple[int, OutputTable] | None:
+    """``_one_alternative`` of a checkpoint's table of inputs: the outputs as a table too,
+    sharing every column but the names with the inputs (no object made per tensor)."""
+    one = _the_alternative(inputs.names, fullmatch, outer, owners)
+    if one is None:
+        return None
+    found, k, r = one
+    if namers[r] is None:  # a keep: each output is its input
+        specs = inputs
+    else:
+        quick = positional[k]
+        if quick is None:
+            return None
+        specs = inputs.renamed(list(starmap(quick, map(_GROUPS, found))))
+    rest = below[r]
+    if rest is not None and any(map(rest[0], specs.names)):
+        return None
+    return k, OutputTable(specs, inputs, rules[r].loc)
+
+
+def _names_of(inputs: Sequence[TensorSpec]) -> Sequence[str]:
+    return inputs.names if isinstance(inputs, SpecTable) else list(map(_NAME, inputs))
 
 
 _NAME = attrgetter("name")

@@ -34,7 +34,7 @@ from weightmap.compiler.problems import Problems
 from weightmap.compiler.route import Item, Router, WorkingSet
 from weightmap.compiler.unmatched import compact_names
 from weightmap.errors import CompileError, LocatedProblem, MappingError
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.format.text import json_problem
 from weightmap.fs.gcpause import gc_paused
 from weightmap.inputs.sidefiles import FolderFiles
@@ -43,6 +43,7 @@ from weightmap.language.expr import closest, compile_expr, did_you_mean, render
 from weightmap.language.mapping import Mapping
 from weightmap.language.values import EvalError, Scope, truth, type_name
 from weightmap.plan.nodes import Node, Source
+from weightmap.plan.parts import OutputTable
 from weightmap.plan.plan import Dropped, OutputTensor, Plan
 
 __all__ = ["compile_plan"]
@@ -72,7 +73,13 @@ class _Compiler:
         files: FolderFiles | None = None,
     ) -> None:
         self.mapping = mapping
-        self.inputs = tuple(inputs)
+        # A checkpoint's table of specs is kept as its columns (format/dtypes.py).
+        self.inputs: Sequence[TensorSpec] = (
+            inputs if isinstance(inputs, SpecTable) else tuple(inputs)
+        )
+        self._input_names: Sequence[str] = (
+            inputs.names if isinstance(inputs, SpecTable) else [i.name for i in self.inputs]
+        )
         self.config = config
         self.files = files
         self.problems = Problems()
@@ -87,7 +94,7 @@ class _Compiler:
 
     def check_unique_inputs(self) -> None:
         # The names made a set at C speed; only where one came twice is it looked for.
-        if len({spec.name for spec in self.inputs}) == len(self.inputs):
+        if len(set(self._input_names)) == len(self.inputs):
             return
         seen: set[str] = set()
         for spec in self.inputs:
@@ -108,11 +115,11 @@ class _Compiler:
             return self._exists[pattern]
         if pattern.is_literal:  # a name (or a pattern whose captures were bound): a lookup
             if self._names is None:
-                self._names = frozenset(s.name for s in self.inputs)
+                self._names = frozenset(self._input_names)
             return "".join(pattern.parts) in self._names  # type: ignore[arg-type]
         if pattern not in self._exists:
             rx = compile_pattern(pattern)
-            self._exists[pattern] = any(rx.fullmatch(s.name) for s in self.inputs)
+            self._exists[pattern] = any(map(rx.fullmatch, self._input_names))
         return self._exists[pattern]
 
     # ------------------------------------------------------------ params and statements
@@ -307,7 +314,7 @@ def _compile(
     return Plan.build(
         mapping_name=mapping.name,
         inputs=c.inputs,
-        outputs=tuple(outputs),
+        outputs=outputs if isinstance(outputs, OutputTable) else tuple(outputs),
         dropped=tuple(dropped),
         warnings=(*c.warnings, *(files.skipped if files is not None else ())),
         params=values,
@@ -319,7 +326,7 @@ def _compile(
 
 
 def _check_no_input_names(
-    outputs: list[OutputTensor], declared: list[str], report: Callable[[A.Loc, str], None]
+    outputs: Sequence[OutputTensor], declared: list[str], report: Callable[[A.Loc, str], None]
 ) -> None:
     """Report the outputs still named as one of the declared inputs' tensors (``adapter:x``):
     only the main namespace is written, so each must be taken by a rule (merged, renamed,
@@ -340,7 +347,7 @@ def _check_no_input_names(
 
 def run_rules(
     c: _Compiler, rules: list[A.Rule], scope: Scope, unmatched: A.Unmatched | None
-) -> tuple[list[OutputTensor], list[Dropped]]:
+) -> tuple[Sequence[OutputTensor], list[Dropped]]:
     """Apply the rules in order to the working set (route.py); outputs in plan order, drops."""
     router = Router(rules, scope)
     where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)

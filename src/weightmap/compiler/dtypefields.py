@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from weightmap.plan.nodes import Cast, Node, Source, only_sources
+from weightmap.plan.parts import OutputTable
 from weightmap.plan.plan import OutputTensor
 
 __all__ = ["stale_dtype_fields"]
@@ -39,7 +40,10 @@ def stale_dtype_fields(
     Only when a rule cast some tensor and every floating-point output now has one dtype; a
     field the mapping set itself is the mapping's decision.
     """
-    # (A renamed or kept input, most outputs of most plans, is no cast: seen without a call.)
+    # (A renamed or kept input, most outputs of most plans, is no cast: seen without a call;
+    # a table's outputs are all such inputs.)
+    if isinstance(outputs, OutputTable):
+        return []
     cast = next((o for o in outputs if type(o.node) is not Source and _casts(o.node)), None)
     if after is None or cast is None:
         return []

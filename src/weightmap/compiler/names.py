@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from weightmap.format.text import is_utf8
 from weightmap.language import ast as A
+from weightmap.plan.parts import output_names
 from weightmap.plan.plan import OutputTensor
 
 __all__ = ["MAX_NAME_CHARS", "bad_name", "check_names"]
@@ -51,7 +52,7 @@ def bad_name(name: str) -> str | None:
 def check_names(outputs: Sequence[OutputTensor], report: Callable[[A.Loc, str], None]) -> None:
     """Report every output whose name cannot be written (collisions are caught as they happen,
     see route.py)."""
-    names = [o.name for o in outputs]
+    names = output_names(outputs)
     # All the names at once, at C speed, for the common case where every one is good (a
     # checkpoint may hold 100,000): a joined string holds an unwritable character where one
     # of the names does. An ASCII string is printable exactly where it has no control

@@ -58,11 +58,11 @@ def families(decls: Sequence[A.OutputDecl], scope: Scope, report: Report) -> lis
 
 
 def place(
-    outputs: list[OutputTensor],
+    outputs: Sequence[OutputTensor],
     fams: Sequence[OutputFamily],
     report: Report,
     locs: Mapping[str, A.Loc],
-) -> list[OutputTensor]:
+) -> Sequence[OutputTensor]:
     """``outputs`` with each ``NAME:*:tensor`` written into every member of family ``NAME``,
     and every name of a family checked: a rank in range, a tensor name after it, no name
     twice, and no member left without a tensor (an empty rank is a wrong count or a rule that

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Mapping, Sequence
+from itertools import chain, repeat
 from operator import add, attrgetter, itemgetter, sub
 from pathlib import Path
 from typing import cast
@@ -18,13 +19,14 @@ from weightmap.execute.kernels import OPAQUE_DTYPES
 from weightmap.execute.segments import Segment, byte_segments
 from weightmap.execute.sidefiles import side_files_space
 from weightmap.format.dtypes import nbytes
-from weightmap.format.header import TensorInfo
+from weightmap.format.header import TensorInfo, TensorTable
 from weightmap.format.layout import Extent, Layouts, Origin, WholeOrigins
 from weightmap.format.slots import make_tuple, shared
 from weightmap.format.writer import CheckpointWriter
 from weightmap.fs.gcpause import gc_paused
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.nodes import Source, only_sources
+from weightmap.plan.parts import OutputTable, output_names
 from weightmap.plan.plan import OutputTensor, Plan
 
 __all__ = ["Sources", "plan_writer"]
@@ -128,10 +130,17 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     # Column by column through C calls (no Python step per tensor): a checkpoint may hold
     # 100,000 tensors, and a rename of all of them is the commonest plan.
     outputs = plan.outputs
-    nodes = tuple(map(_NODE, outputs))
-    if not only_sources(nodes):
-        return None
-    inputs = list(map(_NAME, nodes))
+    if isinstance(outputs, OutputTable):
+        if not outputs:
+            return None
+        if outputs.sources is ckpt.specs():
+            return _every_input(outputs, ckpt)
+        inputs = outputs.sources.names
+    else:
+        nodes = tuple(map(_NODE, outputs))
+        if not only_sources(nodes):
+            return None
+        inputs = list(map(_NAME, nodes))
     if not ckpt.strided.isdisjoint(inputs):
         return None  # (a PyTorch tensor strided in its storage has no byte range to copy)
     stored = list(map(ckpt.stored().__getitem__, inputs))
@@ -143,7 +152,26 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     # (int64: the offsets are distinct, an int object of 32 bytes each in a list)
     offsets = array("q", map(add, map(starts.__getitem__, files), map(_BEGIN, infos)))
     lengths = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
-    return WholeOrigins(list(map(_NAME, outputs)), files, offsets, lengths)
+    return WholeOrigins(list(output_names(outputs)), files, offsets, lengths)
+
+
+def _every_input(outputs: OutputTable, ckpt: Checkpoint) -> WholeOrigins | None:
+    """The origins of a table of outputs that reads every input of ``ckpt`` in its order (a
+    rename or keep of a whole checkpoint), from the headers' columns: no lookup per tensor."""
+    tables = [header.tensors for header in ckpt.headers.values()]
+    if not all(isinstance(t, TensorTable) for t in tables) or ckpt.strided:
+        return None
+    columns = cast(list[TensorTable], tables)
+    files = list(chain.from_iterable(repeat(i, len(t)) for i, t in enumerate(columns)))
+    starts = [header.data_start for header in ckpt.headers.values()]
+    offsets = array(
+        "q",
+        chain.from_iterable(
+            map(add, repeat(start), t.begins) for start, t in zip(starts, columns, strict=True)
+        ),
+    )
+    lengths = shared(list(chain.from_iterable(map(TensorTable.sizes, columns))))
+    return WholeOrigins(outputs.specs.names, files, offsets, lengths)
 
 
 _NODE = attrgetter("node")

@@ -6,16 +6,26 @@ and shapes. ``torch_dtype`` resolves a dtype lazily for the stages that touch da
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from operator import attrgetter, eq
+from typing import TYPE_CHECKING, Literal, overload
 
 from weightmap.format.slots import make_many, slot_setter
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "DType", "TensorSpec", "dtype", "nbytes", "numel", "sized_specs"]
+__all__ = [
+    "DTYPES",
+    "DType",
+    "SpecTable",
+    "TensorSpec",
+    "dtype",
+    "nbytes",
+    "numel",
+    "sized_specs",
+]
 
 Kind = Literal["bool", "float", "int", "uint", "complex"]
 
@@ -175,3 +185,90 @@ def sized_specs(
     counted when first asked for): a checkpoint's or a rename's 100,000 specs at once."""
     fields = ((_set_name, names), (_set_dtype, dtypes), (_set_shape, shapes), (_set_nbytes, sizes))
     return make_many(TensorSpec, count, fields)
+
+
+class SpecTable(Sequence[TensorSpec]):
+    """Tensor specs as columns (names, dtypes, shapes, byte sizes), read as a sequence of
+    :class:`TensorSpec`.
+
+    A checkpoint's inputs, and the outputs of a rename of all of them, are 100,000 specs and
+    more; the stages that only move bytes read the columns, so no spec is made per tensor.
+    Each :class:`TensorSpec` is made when asked for (by index, or by iterating). The dtypes
+    and shapes are shared objects (a few distinct ones), and a rename's table shares every
+    column but the names with its inputs'.
+    """
+
+    __slots__ = ("dtypes", "names", "shapes", "sizes")
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        sizes: Sequence[int],
+    ) -> None:
+        if not len(names) == len(dtypes) == len(shapes) == len(sizes):
+            raise ValueError("the columns of a SpecTable differ in length")
+        self.names = names
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.sizes = sizes
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec]) -> SpecTable:
+        """The columns of these specs (a table as it is)."""
+        if isinstance(specs, SpecTable):
+            return specs
+        return cls(
+            list(map(_NAME, specs)),
+            list(map(_DTYPE, specs)),
+            list(map(_SHAPE, specs)),
+            [s.nbytes for s in specs],
+        )
+
+    def renamed(self, names: Sequence[str]) -> SpecTable:
+        """The same tensors under ``names`` (one per row)."""
+        return SpecTable(names, self.dtypes, self.shapes, self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @overload
+    def __getitem__(self, index: int) -> TensorSpec: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SpecTable: ...
+
+    def __getitem__(self, index: int | slice) -> TensorSpec | SpecTable:
+        if isinstance(index, slice):
+            return SpecTable(
+                self.names[index], self.dtypes[index], self.shapes[index], self.sizes[index]
+            )
+        return TensorSpec.sized(
+            self.names[index], self.dtypes[index], self.shapes[index], self.sizes[index]
+        )
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return map(TensorSpec.sized, self.names, self.dtypes, self.shapes, self.sizes)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SpecTable):
+            return (
+                list(self.names) == list(other.names)
+                and list(self.dtypes) == list(other.dtypes)
+                and list(self.shapes) == list(other.shapes)
+            )
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(map(eq, self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"SpecTable({len(self.names)} specs)"
+
+
+_NAME = attrgetter("name")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
-from collections.abc import Mapping
+from array import array
+from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
-from itertools import islice
-from operator import attrgetter, eq, lt
+from itertools import islice, repeat
+from operator import attrgetter, eq, lt, sub
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
@@ -26,7 +28,14 @@ from weightmap.format.slots import make_tuple
 from weightmap.format.text import is_utf8, nesting_exceeds
 from weightmap.fs.safeopen import kind
 
-__all__ = ["MAX_HEADER_SIZE", "Header", "TensorInfo", "parse_header", "read_header"]
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "Header",
+    "TensorInfo",
+    "TensorTable",
+    "parse_header",
+    "read_header",
+]
 
 # The reference implementation refuses larger headers; so do we, before allocating anything.
 MAX_HEADER_SIZE = 100_000_000
@@ -57,6 +66,110 @@ class TensorInfo(NamedTuple):
         """The tensor's name, dtype and shape (a new one each time: ``Checkpoint.specs`` keeps
         them)."""
         return TensorSpec(self.name, self.dtype, self.shape)
+
+
+class TensorTable(Mapping[str, TensorInfo]):
+    """A header's tensors as columns (names, dtypes, shapes, begins, ends), read as a mapping of
+    name to :class:`TensorInfo` in data order.
+
+    A header may list 100,000 tensors and more, and a conversion that only moves bytes reads
+    its columns and never an entry: each :class:`TensorInfo` is made when asked for (by name,
+    or by a pass over ``values()``/``items()``), and the names' positions only when a name is
+    first looked up. The dtypes are the table's own strings and the shapes one tuple per
+    distinct shape; begins and ends are int64 columns (8 bytes each, where an int object takes
+    32).
+    """
+
+    __slots__ = ("_rows", "begins", "dtypes", "ends", "names", "shapes")
+
+    def __init__(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[tuple[int, ...]],
+        begins: Sequence[int],
+        ends: Sequence[int],
+    ) -> None:
+        if not len(names) == len(dtypes) == len(shapes) == len(begins) == len(ends):
+            raise ValueError("the columns of a TensorTable differ in length")
+        self.names = names
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.begins = begins
+        self.ends = ends
+        self._rows: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, infos: Sequence[TensorInfo]) -> TensorTable:
+        """The table of these entries (in this order)."""
+        return cls(
+            list(map(_NAME, infos)),
+            list(map(_DTYPE, infos)),
+            list(map(_SHAPE, infos)),
+            list(map(_BEGIN, infos)),
+            list(map(_END, infos)),
+        )
+
+    def _row(self, name: str) -> int:
+        if self._rows is None:
+            self._rows = {n: i for i, n in enumerate(self.names)}
+        return self._rows[name]
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        i = self._row(name)
+        row = (self.names[i], self.dtypes[i], self.shapes[i], self.begins[i], self.ends[i])
+        return make_tuple(TensorInfo, row)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self._row(name)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def infos(self) -> Iterator[TensorInfo]:
+        """Every entry in data order, each made now (by C calls: no Python step per entry)."""
+        rows = zip(self.names, self.dtypes, self.shapes, self.begins, self.ends, strict=True)
+        return map(make_tuple, repeat(TensorInfo), rows)
+
+    def values(self) -> ValuesView[TensorInfo]:
+        return _TableValues(self)
+
+    def items(self) -> ItemsView[str, TensorInfo]:
+        return _TableItems(self)
+
+    def sizes(self) -> list[int]:
+        """Each tensor's byte size, in data order."""
+        return list(map(sub, self.ends, self.begins))
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self.names)} tensors)"
+
+
+class _TableValues(ValuesView[TensorInfo]):
+    _mapping: TensorTable
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return self._mapping.infos()
+
+
+class _TableItems(ItemsView[str, TensorInfo]):
+    _mapping: TensorTable
+
+    def __iter__(self) -> Iterator[tuple[str, TensorInfo]]:
+        table = self._mapping
+        return zip(table.names, table.infos(), strict=True)
+
+
+_NAME = attrgetter("name")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
 
 
 @dataclass(frozen=True)
@@ -456,6 +569,107 @@ def _checked_header(text: str, path: str) -> tuple[dict[str, str] | None, list[T
     return metadata, infos
 
 
+# A tensor entry as writers put them: compact, the keys in the usual order, a name without
+# escapes, canonical integers (at most 20 digits: U64_MAX has 20). ``re.split`` over a header
+# gives, per entry, the text before it, then its name, dtype, shape's digits, begin, end and
+# the character after it (``,`` between entries, ``}`` closing the header).
+_UINT = r"(?:0|[1-9][0-9]{0,19})"
+_ENTRY = re.compile(
+    r'"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Za-z_]{1,16})",'
+    rf'"shape":\[((?:{_UINT}(?:,{_UINT})*)?)\],"data_offsets":\[({_UINT}),({_UINT})\]\}}([,}}])'
+)
+_PER_ENTRY = 7  # the strings re.split gives per entry
+# The table's own string for each dtype name (every spec and output shares them).
+_DTYPE_NAMES = {name: name for name in DTYPES}
+# What may open a header before its first entry: ``{``, and the metadata as writers put it.
+_METADATA_OPEN = '{"__metadata__":'
+
+
+def _shape_of(digits: str) -> tuple[int, ...]:
+    return tuple(map(int, digits.split(","))) if digits else ()
+
+
+def _entry_bytes(dtype_name: str, shape: tuple[int, ...]) -> int | None:
+    """The bytes a tensor of this dtype and shape takes, or None where the reference refuses
+    it (a product past 64 bits, a size that is no whole number of bytes)."""
+    count = _numel(list(shape))
+    if count is None:
+        return None
+    bits = count * DTYPES[dtype_name].bits
+    return None if bits > U64_MAX or bits % 8 else bits // 8
+
+
+def _column_metadata(opening: str) -> tuple[bool, dict[str, str] | None]:
+    """Whether the text before a header's first entry is ``{``, or ``{"__metadata__":{...},``
+    with plain metadata, and that metadata (None for ``{``)."""
+    if opening == "{":
+        return True, None
+    if not opening.startswith(_METADATA_OPEN) or not opening.endswith(","):
+        return False, None
+    try:
+        pairs = json.loads(
+            opening[len(_METADATA_OPEN) : -1], object_pairs_hook=_Pairs, parse_constant=_constant
+        )
+    except (ValueError, RecursionError, _NotPlain):
+        return False, None
+    if type(pairs) is not _Pairs:
+        return False, None
+    meta = dict(pairs)
+    if len(meta) != len(pairs) or not all(type(v) is str for v in meta.values()):
+        return False, None
+    if not all(is_utf8(k) and is_utf8(v) for k, v in meta.items()):
+        return False, None
+    return True, meta
+
+
+def _column_header(
+    text: str, header_size: int, file_size: int
+) -> tuple[dict[str, str] | None, TensorTable] | None:
+    """The metadata and tensors of a header in the form writers give it (the metadata first,
+    if any, then plain entries stored back to back from 0, none empty, spaces after), by C
+    calls over the text: one split, then a map per column, where the JSON decoder makes a dict
+    or list per entry and a Python step checks each. None for any other header (or one that
+    breaks a rule): ``_quick_header`` and ``_checked_header`` decode those, and say what is
+    wrong. What it accepts, they accept with the same result."""
+    parts = _ENTRY.split(text)
+    count = len(parts) // _PER_ENTRY
+    if not count:
+        return None
+    # Nothing between entries; the last closes the header, with spaces (padding) after it.
+    if any(islice(parts, _PER_ENTRY, len(parts) - 1, _PER_ENTRY)) or parts[-1].strip(" "):
+        return None
+    ends_with = parts[_PER_ENTRY - 1 :: _PER_ENTRY]
+    if ends_with[-1] != "}" or ends_with.count("}") != 1:
+        return None
+    plain, metadata = _column_metadata(parts[0])
+    if not plain:
+        return None
+    names = parts[1::_PER_ENTRY]
+    if len(set(names)) != count or "__metadata__" in names:
+        return None
+    found_dtypes = list(map(_DTYPE_NAMES.get, parts[2::_PER_ENTRY]))
+    if None in found_dtypes:
+        return None
+    dtypes = cast(list[str], found_dtypes)
+    digits = parts[3::_PER_ENTRY]
+    known = {d: _shape_of(d) for d in set(digits)}
+    try:
+        begins = array("q", map(int, parts[4::_PER_ENTRY]))
+        ends = array("q", map(int, parts[5::_PER_ENTRY]))
+    except OverflowError:  # past 2**63: no file is that large (the strict path says so)
+        return None
+    # Back to back from 0, none empty, and the file ends where the last one does.
+    if begins[0] != 0 or begins[1:] != ends[:-1] or 8 + header_size + ends[-1] != file_size:
+        return None
+    pairs = list(zip(dtypes, digits, strict=True))
+    size_of = {(d, s): _entry_bytes(d, known[s]) for d, s in set(pairs)}
+    sizes = list(map(size_of.__getitem__, pairs))
+    if None in sizes or 0 in sizes or list(map(sub, ends, begins)) != sizes:
+        return None
+    shapes = list(map(known.__getitem__, digits))
+    return metadata, TensorTable(names, dtypes, shapes, begins, ends)
+
+
 def parse_header(
     raw: bytes, *, header_size: int, file_size: int, path: str = "<bytes>", mtime_ns: int = 0
 ) -> Header:
@@ -465,18 +679,24 @@ def parse_header(
     :class:`FormatError` for the first rule the header breaks.
     """
     text = _decode_text(raw, path)
-    # Nearly every header is plain: decoded quickly, and checked strictly only where it is not.
-    parsed = _quick_header(text, "\\u" in text)
-    metadata, infos = parsed if parsed is not None else _checked_header(text, path)
-    if not _back_to_back(infos):
-        infos.sort(key=_BY_OFFSETS)
-        _check_layout(infos, header_size, file_size, path)
-    elif 8 + header_size + (infos[-1].end if infos else 0) != file_size:
-        _check_layout(infos, header_size, file_size, path)  # (it says what is wrong)
+    # Nearly every header is as writers write it: read as columns. The others are decoded,
+    # quickly where they are plain, and checked strictly where they are not.
+    columns = _column_header(text, header_size, file_size)
+    if columns is not None:
+        metadata, table = columns
+    else:
+        parsed = _quick_header(text, "\\u" in text)
+        metadata, infos = parsed if parsed is not None else _checked_header(text, path)
+        if not _back_to_back(infos):
+            infos.sort(key=_BY_OFFSETS)
+            _check_layout(infos, header_size, file_size, path)
+        elif 8 + header_size + (infos[-1].end if infos else 0) != file_size:
+            _check_layout(infos, header_size, file_size, path)  # (it says what is wrong)
+        table = TensorTable.of(infos)
     return Header(
         path=path,
         header_size=header_size,
-        tensors=MappingProxyType({t.name: t for t in infos}),
+        tensors=table,
         metadata=None if metadata is None else MappingProxyType(dict(metadata)),
         file_size=file_size,
         mtime_ns=mtime_ns,

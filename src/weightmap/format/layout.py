@@ -18,7 +18,7 @@ from itertools import accumulate, compress, islice
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
 from typing import NamedTuple
 
-from weightmap.format.dtypes import DTYPES, TensorSpec
+from weightmap.format.dtypes import DTYPES, SpecTable, TensorSpec
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.options import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -79,14 +79,20 @@ def _header_text(
     # a model repeat a few shapes many times over. (A plain loop of f-strings: faster here
     # than joining the pieces through map and chain, measured.)
     middles: dict[tuple[str, tuple[int, ...]], str] = {}
-    for spec, size in zip(order, sizes, strict=True):
+    table = order if isinstance(order, SpecTable) else None
+    rows = (
+        zip(table.names, table.dtypes, table.shapes, sizes, strict=True)
+        if table is not None
+        else ((s.name, s.dtype, s.shape, size) for s, size in zip(order, sizes, strict=True))
+    )
+    for name, dtype, shape, size in rows:
         end = position + size
-        key = (spec.dtype, spec.shape)
+        key = (dtype, shape)
         middle = middles.get(key)
         if middle is None:
-            shape = ",".join(map(str, spec.shape))
-            middle = middles[key] = f':{{"dtype":"{spec.dtype}","shape":[{shape}],"data_offsets":['
-        parts.append(f"{encode_basestring(spec.name)}{middle}{position},{end}]}}")
+            dims = ",".join(map(str, shape))
+            middle = middles[key] = f':{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":['
+        parts.append(f"{encode_basestring(name)}{middle}{position},{end}]}}")
         position = end
     return ("{" + ",".join(parts) + "}").encode("utf-8")
 
@@ -136,7 +142,7 @@ class Offsets(Mapping[str, tuple[int, int]]):
 
     __slots__ = ("_bounds", "_index", "_names")
 
-    def __init__(self, names: list[str], bounds: Sequence[int]) -> None:
+    def __init__(self, names: Sequence[str], bounds: Sequence[int]) -> None:
         if len(bounds) != len(names) + 1:
             raise ValueError("Offsets needs one bound more than names")
         self._names = names
@@ -294,7 +300,7 @@ class WholeOrigins(Mapping[str, Origin]):
     __slots__ = ("_index", "files", "lengths", "names", "offsets")
 
     def __init__(
-        self, names: list[str], files: list[int], offsets: Sequence[int], lengths: list[int]
+        self, names: Sequence[str], files: list[int], offsets: Sequence[int], lengths: list[int]
     ) -> None:
         if not len(names) == len(files) == len(offsets) == len(lengths):
             raise ValueError("the columns of WholeOrigins differ in length")
@@ -382,7 +388,8 @@ def plan_layout(
     ):
         header = len(text).to_bytes(8, "little") + text
         base = len(header)
-        offsets = Offsets(list(map(_NAME, order)), array("q", accumulate(sizes, initial=base)))
+        names = order.names if isinstance(order, SpecTable) else list(map(_NAME, order))
+        offsets = Offsets(names, array("q", accumulate(sizes, initial=base)))
         shards.append(ShardPlan(name, header, offsets, base + sum(sizes)))
         copies += [Copy(c.file, c.src, index, base + c.dst, c.length) for c in runs]
     return Layout(tuple(shards), tuple(copies))
@@ -485,7 +492,7 @@ def _reference_shard(
 
 def _whole_copies(
     specs: Sequence[TensorSpec], origins: Mapping[str, Origin], limit: int
-) -> list[tuple[list[TensorSpec], list[int], list[Copy] | None]] | None:
+) -> list[tuple[Sequence[TensorSpec], list[int], list[Copy] | None]] | None:
     """The clone layout's shards of a plan whose every output is one input range in full (a
     rename or keep of every tensor: the commonest plan, and the one with the most tensors),
     found in one pass: each shard's tensors, their sizes, and their copies (None where the
@@ -497,7 +504,7 @@ def _whole_copies(
     is reached, ``_clone_shard`` finds every tensor copied, checks the alignment and runs the
     copies), in one loop rather than one per step: a checkpoint may hold 100,000 tensors.
     """
-    found: list[tuple[list[TensorSpec], list[int], list[Copy] | None]] = []
+    found: list[tuple[Sequence[TensorSpec], list[int], list[Copy] | None]] = []
     group: list[TensorSpec] = []
     sizes: list[int] = []
     runs: list[Copy] = []
@@ -547,18 +554,22 @@ def _whole_copies(
 
 def _whole_columns(
     specs: Sequence[TensorSpec], origins: WholeOrigins, limit: int
-) -> list[tuple[list[TensorSpec], list[int], list[Copy] | None]] | None:
+) -> list[tuple[Sequence[TensorSpec], list[int], list[Copy] | None]] | None:
     """``_whole_copies`` of origins given as columns, by C calls over them: the same shards
     for the plans it takes (outputs listed as the columns are, in input order, none empty,
     each input file's share within ``limit``); None for the others, which ``_whole_copies``
     then lays out."""
-    names = list(map(_NAME, specs))
+    table = specs if isinstance(specs, SpecTable) else None
+    names = list(map(_NAME, specs)) if table is None else table.names
     files, offsets, lengths = origins.files, origins.offsets, origins.lengths
-    if not names or names != origins.names or 0 in lengths:
+    if not names or (names is not origins.names and names != origins.names) or 0 in lengths:
         return None
-    sizes = list(map(_KEPT_NBYTES, specs))
-    if None in sizes:
-        sizes = [s.nbytes for s in specs]
+    if table is not None:
+        sizes = list(table.sizes)
+    else:
+        sizes = list(map(_KEPT_NBYTES, specs))
+        if None in sizes:
+            sizes = [s.nbytes for s in specs]
     if sizes != lengths:
         return None
     # Outputs in input order: anchors never decrease (so neither do the files).
@@ -568,10 +579,11 @@ def _whole_columns(
     ends = list(map(operator.add, offsets, lengths))
     # A run of copies breaks where a tensor does not start where the one before it ends.
     joined = list(map(operator.eq, ends, islice(offsets, 1, None)))
-    aligns = list(map(_ALIGNMENT.__getitem__, map(_DTYPE, specs)))
+    dtypes = map(_DTYPE, specs) if table is None else table.dtypes
+    aligns = list(map(_ALIGNMENT.__getitem__, dtypes))
     # One shard per input file (its first tensor found by bisection: files never decrease).
     bounds = [bisect_left(files, f) for f in sorted(set(files))] + [len(files)]
-    found: list[tuple[list[TensorSpec], list[int], list[Copy] | None]] = []
+    found: list[tuple[Sequence[TensorSpec], list[int], list[Copy] | None]] = []
     for a, b in zip(bounds, islice(bounds, 1, None), strict=False):
         group_sizes = sizes[a:b]
         if b - a > 1 and sum(group_sizes) > limit:
@@ -585,12 +597,13 @@ def _whole_columns(
             Copy(file, offsets[a + c], 0, positions[c], ends[a + d - 1] - offsets[a + c])
             for c, d in zip(cuts, islice(cuts, 1, None), strict=False)
         ]
-        found.append((list(specs[a:b]), group_sizes, runs if aligned else None))
+        group = list(specs[a:b]) if table is None else table[a:b]
+        found.append((group, group_sizes, runs if aligned else None))
     return found
 
 
 def _place_whole(
-    group: list[TensorSpec],
+    group: Sequence[TensorSpec],
     sizes: list[int],
     runs: list[Copy] | None,
     metadata: Mapping[str, str] | None,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from weightmap.errors import ExecutionError, OutputExistsError
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.format.layout import (
     CONFIG_NAME,
     DEFAULT_MAX_SHARD_SIZE,
@@ -226,8 +226,9 @@ class CheckpointWriter:
         members: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.dest = destination_path(Path(dest))
-        if len({s.name for s in specs}) != len(specs):
-            counts = Counter(s.name for s in specs)
+        names = specs.names if isinstance(specs, SpecTable) else [s.name for s in specs]
+        if len(set(names)) != len(specs):
+            counts = Counter(names)
             dup = sorted(n for n, c in counts.items() if c > 1)
             raise ValueError(f"output tensor names repeat: {', '.join(dup[:10])}")
         check_destination(self.dest, overwrite, protect)

@@ -14,17 +14,17 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter, sub
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from weightmap.errors import CheckpointError, FormatError
-from weightmap.format.dtypes import DTYPES, TensorSpec, sized_specs
-from weightmap.format.header import Header, TensorInfo, read_header
+from weightmap.format.dtypes import DTYPES, SpecTable, TensorSpec, sized_specs
+from weightmap.format.header import Header, TensorInfo, TensorTable, read_header
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8
@@ -287,13 +287,16 @@ class Checkpoint:
         self,
         root: Path,
         headers: Mapping[Path, Header],
-        tensors: Mapping[str, tuple[Path, TensorInfo]],
+        tensors: Mapping[str, tuple[Path, TensorInfo]] | None,
         config: dict[str, Any] | None,
         index_path: Path | None,
     ) -> None:
         self.root = root
         self.headers: Mapping[Path, Header] = MappingProxyType(dict(headers))
-        self._tensors: Mapping[str, tuple[Path, TensorInfo]] = MappingProxyType(dict(tensors))
+        # None: made from the headers when a name is first looked up (see _tensors).
+        self._located: Mapping[str, tuple[Path, TensorInfo]] | None = (
+            None if tensors is None else MappingProxyType(dict(tensors))
+        )
         self._config = config
         self.index_path = index_path
         self._maps: dict[Path, mmap.mmap] = {}
@@ -303,7 +306,7 @@ class Checkpoint:
         self._strided = frozenset(
             name for h in self.headers.values() if isinstance(h, PickleHeader) for name in h.strided
         )
-        self._specs: tuple[TensorSpec, ...] | None = None
+        self._specs: Sequence[TensorSpec] | None = None
         # The prefix each file's tensors carry in this checkpoint (``adapter:``, a mapping's
         # other inputs: binding.py); a PyTorch file read again is renamed the same way.
         self.prefixes: Mapping[Path, str] = MappingProxyType({})
@@ -513,7 +516,9 @@ class Checkpoint:
     @classmethod
     def _from_files(cls, root: Path, files: list[Path], index_path: Path | None) -> Checkpoint:
         headers: dict[Path, Header] = {}
-        tensors: dict[str, tuple[Path, TensorInfo]] = {}
+        # Every name met so far, to refuse one stored twice (by C calls: a checkpoint may hold
+        # 100,000 tensors). The table of names to entries is made only when first asked for.
+        seen: set[str] = set()
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
         for f in files:
             header: Header
@@ -524,19 +529,18 @@ class Checkpoint:
             else:
                 refuse_foreign(f, kind)
                 header = read_header(f)
-            headers[f] = header
-            if not tensors.keys().isdisjoint(header.tensors):
-                name = next(n for n in header.tensors if n in tensors)
+            if not seen.isdisjoint(header.tensors):
+                name = next(n for n in header.tensors if n in seen)
+                first = next(p for p, h in headers.items() if name in h.tensors)
                 raise CheckpointError(
-                    f"tensor is stored in both {tensors[name][0].name} and {f.name}",
+                    f"tensor is stored in both {first.name} and {f.name}",
                     path=f,
                     tensor=name,
                     rule="duplicate-name",
                 )
-            # (name, (file, info)) pairs made by C calls: a checkpoint may hold 100,000 tensors.
-            located = zip(repeat(f), header.tensors.values())  # (repeat: endless)
-            tensors.update(zip(header.tensors, located, strict=False))
-        ckpt = cls(root, headers, tensors, _read_config(root, CONFIG_NAME), index_path)
+            headers[f] = header
+            seen.update(header.tensors)
+        ckpt = cls(root, headers, None, _read_config(root, CONFIG_NAME), index_path)
         ckpt._loaded = loaded
         return ckpt
 
@@ -572,7 +576,7 @@ class Checkpoint:
         """Every tensor by name, file by file, in data order."""
         return MappingProxyType({name: info for name, (_, info) in self._tensors.items()})
 
-    def specs(self) -> tuple[TensorSpec, ...]:
+    def specs(self) -> Sequence[TensorSpec]:
         """Every tensor's name, dtype and shape, in storage order."""
         # Made once: the compiler and the executor both ask, and 100,000 specs take a while.
         if self._specs is None:
@@ -580,6 +584,17 @@ class Checkpoint:
             # the header was read: its size need not be counted again. A strided PyTorch
             # tensor's range is its storage's, not its size.
             strided = self._strided
+            tables = [h.tensors for h in self.headers.values()]
+            if self._located is None and all(isinstance(t, TensorTable) for t in tables):
+                # Straight from the headers' columns, as columns: no spec made per tensor.
+                columns = cast(list[TensorTable], tables)
+                self._specs = SpecTable(
+                    list(chain.from_iterable(t.names for t in columns)),
+                    list(chain.from_iterable(t.dtypes for t in columns)),
+                    list(chain.from_iterable(t.shapes for t in columns)),
+                    shared(list(chain.from_iterable(map(TensorTable.sizes, columns)))),
+                )
+                return self._specs
             if not strided:
                 infos = list(map(_INFO, self._tensors.values()))
                 sizes = shared(list(map(sub, map(_END, infos), map(_BEGIN, infos))))
@@ -611,6 +626,20 @@ class Checkpoint:
         """The tensors that are no byte range of their file (:meth:`has_range` is False)."""
         return self._strided
 
+    @property
+    def _tensors(self) -> Mapping[str, tuple[Path, TensorInfo]]:
+        """Every tensor by name: its file and entry, made on first use (file by file, in data
+        order), as a conversion that only moves bytes reads the headers' columns instead."""
+        if self._located is None:
+            located: dict[str, tuple[Path, TensorInfo]] = {}
+            with gc_paused():
+                for path, header in self.headers.items():
+                    # (name, (file, entry)) pairs made by C calls; repeat is endless.
+                    pairs = zip(repeat(path), header.tensors.values())
+                    located.update(zip(header.tensors, pairs, strict=False))
+            self._located = MappingProxyType(located)
+        return self._located
+
     def stored(self) -> Mapping[str, tuple[Path, TensorInfo]]:
         """Every tensor by name: the file that stores it and its header entry (read-only;
         the checkpoint's own table, for the executors' loops over every tensor)."""
@@ -630,10 +659,14 @@ class Checkpoint:
         return TensorLocation(path, self.headers[path].data_start + info.begin, info.nbytes)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
+        if self._located is not None:
+            return iter(self._located)
+        return chain.from_iterable(h.tensors for h in self.headers.values())
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        if self._located is not None:
+            return len(self._located)
+        return sum(len(h.tensors) for h in self.headers.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors

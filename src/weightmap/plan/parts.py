@@ -6,25 +6,27 @@ class itself (``plan.py`` imports ``explain.py``, never the other way round).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter
-from typing import Any
+from operator import attrgetter, eq
+from typing import Any, overload
 
 from weightmap.errors import Loc
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.format.slots import make_many, slot_setter
-from weightmap.plan.nodes import Node
+from weightmap.plan.nodes import Node, Source
 
 __all__ = [
     "CODE_SUFFIXES",
     "Dropped",
+    "OutputTable",
     "OutputTensor",
     "SideFile",
     "is_code_file",
     "loc_dict",
     "loc_from_dict",
+    "output_names",
 ]
 
 # Files that a loader runs as code when it loads the folder: Python source and compiled modules
@@ -102,6 +104,71 @@ _set_name = slot_setter(OutputTensor, "name")
 _set_node = slot_setter(OutputTensor, "node")
 _set_origin = slot_setter(OutputTensor, "origin")
 _set_spec = slot_setter(OutputTensor, "_spec")
+
+
+class OutputTable(Sequence[OutputTensor]):
+    """The outputs of one rule that renames or keeps whole inputs, as columns: output ``i`` is
+    input ``sources[i]`` read whole, named ``specs.names[i]``, made by the rule at ``origin``.
+
+    A rename of a whole checkpoint is the commonest plan and holds 100,000 outputs and more:
+    the compiler, the layout and the writer read the columns, and an :class:`OutputTensor`
+    (with its :class:`~weightmap.plan.nodes.Source`) is made only when one is asked for, by
+    index or by iterating; each is equal to the one the compiler would otherwise have made.
+    """
+
+    __slots__ = ("origin", "sources", "specs")
+
+    def __init__(self, specs: SpecTable, sources: SpecTable, origin: Loc) -> None:
+        if len(specs) != len(sources):
+            raise ValueError("an OutputTable's outputs and sources differ in number")
+        self.specs = specs
+        self.sources = sources
+        self.origin = origin
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    @overload
+    def __getitem__(self, index: int) -> OutputTensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> OutputTable: ...
+
+    def __getitem__(self, index: int | slice) -> OutputTensor | OutputTable:
+        if isinstance(index, slice):
+            return OutputTable(self.specs[index], self.sources[index], self.origin)
+        src = self.sources
+        node = Source.of(src.names[index], src.dtypes[index], src.shapes[index])
+        return OutputTensor.of(self.specs[index], node, self.origin)
+
+    def __iter__(self) -> Iterator[OutputTensor]:
+        src = self.sources
+        nodes = map(Source.of, src.names, src.dtypes, src.shapes)
+        return map(OutputTensor.of, self.specs, nodes, repeat(self.origin))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, OutputTable):
+            return (
+                self.origin == other.origin
+                and self.specs == other.specs
+                and list(self.sources.names) == list(other.sources.names)
+            )
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(map(eq, self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"OutputTable({len(self)} outputs of {self.origin})"
+
+
+def output_names(outputs: Sequence[OutputTensor]) -> Sequence[str]:
+    """The outputs' names in order: a table's own column, or listed."""
+    if isinstance(outputs, OutputTable):
+        return outputs.specs.names
+    return list(map(_NAME, outputs))
 
 
 @dataclass(frozen=True, kw_only=True)

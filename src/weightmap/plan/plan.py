@@ -8,10 +8,11 @@ plan (and a streaming write) follows the input file's order and is deterministic
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightmap.format.dtypes import TensorSpec
+from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.format.text import same_json
 from weightmap.fs.gcpause import gc_paused
 from weightmap.plan.explain import explain
@@ -19,6 +20,7 @@ from weightmap.plan.nodes import Source, node_from_dict, node_to_dict
 from weightmap.plan.parts import (
     Dropped,
     OutputFamily,
+    OutputTable,
     OutputTensor,
     SideFile,
     loc_dict,
@@ -44,8 +46,10 @@ class Plan:
     """
 
     mapping_name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[OutputTensor, ...]
+    # A tuple, or (a checkpoint's inputs, the outputs of a rename of all of them) a table of
+    # columns read as one: see SpecTable and OutputTable.
+    inputs: Sequence[TensorSpec]
+    outputs: Sequence[OutputTensor]
     dropped: tuple[Dropped, ...] = ()
     warnings: tuple[str, ...] = ()
     params_json: str = "{}"
@@ -59,7 +63,7 @@ class Plan:
     _by_name: dict[str, OutputTensor] = field(
         default_factory=dict, init=False, compare=False, repr=False, hash=False
     )
-    _specs: list[tuple[TensorSpec, ...]] = field(
+    _specs: list[Sequence[TensorSpec]] = field(
         default_factory=list, init=False, compare=False, repr=False, hash=False
     )
 
@@ -68,8 +72,8 @@ class Plan:
         cls,
         *,
         mapping_name: str,
-        inputs: tuple[TensorSpec, ...],
-        outputs: tuple[OutputTensor, ...],
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[OutputTensor],
         dropped: tuple[Dropped, ...] = (),
         warnings: tuple[str, ...] = (),
         params: dict[str, Any] | None = None,
@@ -122,16 +126,27 @@ class Plan:
     @property
     def is_rename_only(self) -> bool:
         """True when every output is an input read whole (renames, keeps, drops only)."""
+        if isinstance(self.outputs, OutputTable):
+            return True  # (every one of a table's outputs is an input read whole)
         return all(isinstance(o.node, Source) for o in self.outputs)
 
-    def output_specs(self) -> tuple[TensorSpec, ...]:
+    def output_specs(self) -> Sequence[TensorSpec]:
         """The output tensors' names, dtypes and shapes, in plan order."""
+        if isinstance(self.outputs, OutputTable):
+            return self.outputs.specs  # (the table's own columns)
         # Asked for by the writer, the executor and the progress bar alike: made once, as a
         # checkpoint of 100,000 tensors takes a tenth of a second to list.
         if not self._specs:
             with gc_paused():
                 self._specs.append(tuple(o.spec for o in self.outputs))
         return self._specs[0]
+
+    def output_nbytes(self) -> int:
+        """The bytes of every output tensor, together (a table's by its column of sizes)."""
+        specs = self.output_specs()
+        if isinstance(specs, SpecTable):
+            return sum(specs.sizes)
+        return sum(s.nbytes for s in specs)
 
     def members(self) -> list[tuple[str, str]]:
         """``(name prefix, file name)`` of every file the output families write, the
