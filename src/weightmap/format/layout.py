@@ -572,11 +572,12 @@ def _whole_columns(
             sizes = [s.nbytes for s in specs]
     if sizes != lengths:
         return None
-    # Outputs in input order: anchors never decrease (so neither do the files).
-    anchors = list(zip(files, offsets, strict=True))
-    if not all(map(operator.le, anchors, islice(anchors, 1, None))):
+    # Outputs in input order: anchors (file, offset) never decrease. Seen column by column,
+    # no pair made per tensor: the files never decrease, nor the offsets within a file (seen
+    # for each file's run below).
+    if not all(map(operator.le, files, islice(files, 1, None))):
         return None
-    ends = list(map(operator.add, offsets, lengths))
+    ends = array("q", map(operator.add, offsets, lengths))
     # A run of copies breaks where a tensor does not start where the one before it ends.
     joined = list(map(operator.eq, ends, islice(offsets, 1, None)))
     dtypes = map(_DTYPE, specs) if table is None else table.dtypes
@@ -585,6 +586,8 @@ def _whole_columns(
     bounds = [bisect_left(files, f) for f in sorted(set(files))] + [len(files)]
     found: list[tuple[Sequence[TensorSpec], list[int], list[Copy] | None]] = []
     for a, b in zip(bounds, islice(bounds, 1, None), strict=False):
+        if not all(map(operator.le, offsets[a : b - 1], offsets[a + 1 : b])):
+            return None
         group_sizes = sizes[a:b]
         if b - a > 1 and sum(group_sizes) > limit:
             return None  # the file's tensors take several shards
