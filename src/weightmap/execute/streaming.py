@@ -199,15 +199,23 @@ def _checksum(
             into[name] = crc_of_ranges(ranges, fds)
 
 
-def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToken) -> None:
-    """Run the tasks on ``workers`` threads; the first failure (a task's error, ``Cancelled``,
-    or a ``KeyboardInterrupt`` in this thread) stops the others at their next chunk.
+def _run_all(
+    tasks: Sequence[Callable[[], None]],
+    workers: int,
+    halt: CancelToken,
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """Run the tasks on ``workers`` threads, and ``meanwhile`` in this one as they run; the
+    first failure (a task's error, ``Cancelled``, ``meanwhile``'s error, or a
+    ``KeyboardInterrupt`` in this thread) stops the others at their next chunk.
 
     Leaving a ``ThreadPoolExecutor`` block waits for every task queued, which on a large
     conversion is minutes: the queued ones are cancelled instead, and ``halt`` stops the ones
     running at their next boundary, so that the caller sees the failure within one chunk.
     """
     if workers == 1:
+        if meanwhile is not None:
+            meanwhile()
         for task in tasks:
             halt.check()
             task()
@@ -231,6 +239,8 @@ def _run_all(tasks: Sequence[Callable[[], None]], workers: int, halt: CancelToke
             raise
         finally:
             go.set()
+        if meanwhile is not None:
+            meanwhile()
         # Woken by the first failure, not by the first future in order (which may be the
         # largest tensor, still running).
         _wait_first_failure(futures)
@@ -380,7 +390,7 @@ def execute(
                 ranges = [(name, sources.ranges(name)) for name in sources.copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
                     tasks.append(partial(_checksum, group, counts.stats.checksums, halt))
-            _run_all(tasks, n_workers, halt)
+            _run_all(tasks, n_workers, halt, writer.prepare_index)
             halt.check()
             # An input rewritten under us may have fed some tensors old bytes and some new:
             # only an input unchanged from start to end gives an output worth committing.
