@@ -239,6 +239,9 @@ def test_a_table_of_inputs_is_the_specs(text: str, specs: list[TensorSpec]) -> N
     assert table == specs and list(table) == specs
     outcome = _outcome(text, table, one_pass=True)  # type: ignore[arg-type]
     assert outcome == _outcome(text, specs, one_pass=True), text
+    with pytest.MonkeyPatch.context() as patch:  # the names matched two at a time
+        patch.setattr(bulk, "_SLICE", 2)
+        assert _outcome(text, table, one_pass=True) == outcome, text  # type: ignore[arg-type]
     try:
         plan = compile_plan(load_mapping(text), table, None)
     except MappingError:
@@ -300,3 +303,18 @@ def test_a_rename_read_as_columns_writes_the_bytes_of_one_read_as_objects(
         assert (tmp_path / "columns" / name).read_bytes() == (
             tmp_path / "objects" / name
         ).read_bytes(), name
+
+
+def test_names_matched_a_slice_at_a_time_keep_to_one_alternative(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A later slice of names taken by another alternative than the first slice's: the table
+    of outputs is no rename of one alternative, and the loop takes the plan."""
+    specs = [TensorSpec(f"a.{i}.w", "F32", (2,)) for i in range(4)]
+    specs += [TensorSpec(f"b.{i}", "F32", (2,)) for i in range(2)]
+    text = 'weightmap 1\nrename? "a.{i:int}.{r*}" -> "x.{i}.{r}"\nrename? "b.{j}" -> "y.{j}"\n'
+    monkeypatch.setattr(bulk, "_SLICE", 2)
+    taken = _spy(monkeypatch, bulk, "_table_alternative")
+    outcome = _outcome(text, SpecTable.of(specs), one_pass=True)  # type: ignore[arg-type]
+    assert taken == [False]
+    assert outcome == _outcome(text, specs, one_pass=False)
