@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import weightmap
@@ -17,6 +17,7 @@ from weightmap.compiler import compile as compile_module
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError
 from weightmap.format import header as header_module
+from weightmap.format import layout as layout_module
 from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language import ast as A
@@ -270,6 +271,8 @@ def _shards(folder: Path) -> None:
             for j in range(3)
         }
         tensors[f"model.layers.{s}.mask"] = torch.ones(7, dtype=torch.bool)
+        # Large enough for the clone layout to share blocks (so it keeps the input's order).
+        tensors[f"model.layers.{s}.big"] = torch.randn((64, 64), generator=gen)
         name = f"model-{s + 1:05d}-of-00003.safetensors"
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
@@ -288,7 +291,15 @@ def test_a_rename_read_as_columns_writes_the_bytes_of_one_read_as_objects(
     mapping = 'weightmap 1\nrename "model.layers.{n}.{rest*}" -> "layers.{n}.{rest}"\n'
     options: dict[str, Any] = {"mapping": mapping, "layout": layout}
     options["max_shard_size"] = max_shard_size
-    weightmap.remap(tmp_path / "in", tmp_path / "columns", **options)
+    counted: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        real_length = layout_module._header_length
+        patch.setattr(
+            layout_module,
+            "_header_length",
+            lambda *args: counted.append(1) or real_length(*args),
+        )
+        weightmap.remap(tmp_path / "in", tmp_path / "columns", **options)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(header_module, "_column_header", lambda *args: None)
         real = Checkpoint.specs
@@ -296,6 +307,8 @@ def test_a_rename_read_as_columns_writes_the_bytes_of_one_read_as_objects(
         taken = _spy(patch, bulk, "_table_alternative")
         weightmap.remap(tmp_path / "in", tmp_path / "objects", **options)
         assert taken == []
+    if layout == "clone" and max_shard_size == "5GB":
+        assert counted, "no header was laid out from the columns"
     names = sorted(p.name for p in (tmp_path / "columns").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "objects").iterdir())
     assert any(name.endswith(".safetensors") for name in names)
@@ -318,3 +331,38 @@ def test_names_matched_a_slice_at_a_time_keep_to_one_alternative(
     outcome = _outcome(text, SpecTable.of(specs), one_pass=True)  # type: ignore[arg-type]
     assert taken == [False]
     assert outcome == _outcome(text, specs, one_pass=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(st.characters(exclude_categories=["Cs"]), max_size=6),
+            st.sampled_from(["F32", "BF16", "I8", "F4", "BOOL"]),
+            st.lists(st.integers(0, 12), max_size=3).map(tuple),
+            st.integers(0, 3000),
+        ),
+        max_size=12,
+    ),
+    st.one_of(st.none(), st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=3)),
+)
+@example([("a", "I8", (10,), 10)], None)  # offsets at powers of ten
+@example([("a", "I8", (90,), 90), ("b", "I8", (10,), 10), ("c", "I8", (900,), 900)], None)
+def test_a_header_length_counted_from_columns_is_the_text_length(
+    rows: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None
+) -> None:
+    """The header a whole rename lays out is made only when written: its length, which places
+    the data, is counted from the columns, and must be the text's to the byte."""
+    names = [r[0] for r in rows]
+    dtypes = [r[1] for r in rows]
+    shapes = [r[2] for r in rows]
+    sizes = [r[3] for r in rows]
+    table = SpecTable(names, dtypes, shapes, sizes)
+    text = layout_module._header_text(table, sizes, metadata)
+    assert layout_module._header_length(table, sizes, metadata) == len(text)
+
+
+def test_digits_are_counted_at_every_power_of_ten() -> None:
+    values = [0, 1, 9, 10, 11, 99, 100, 101, 999, 1000, 10**12, 10**19, 2**64 - 1]
+    for end in range(len(values) + 1):
+        assert layout_module._digits(values[:end]) == sum(len(str(v)) for v in values[:end])

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from array import array
 from bisect import bisect_left
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, compress, islice
 from json.encoder import encode_basestring  # what json.dumps(ensure_ascii=False) uses
 from typing import NamedTuple
@@ -40,6 +42,7 @@ __all__ = [
     "Extent",
     "Layout",
     "Layouts",
+    "LazyHeader",
     "Offsets",
     "Origin",
     "ShardPlan",
@@ -69,11 +72,9 @@ def _header_text(
     separators, without building a dict per tensor (a checkpoint may hold 100,000 of them).
     """
     parts: list[str] = []
-    if metadata:
-        meta = {k: metadata[k] for k in sorted(metadata)}
-        parts.append(
-            '"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
-        )
+    meta = _metadata_part(metadata)
+    if meta is not None:
+        parts.append(meta)
     position = 0
     # The text between a name and its offsets, by dtype and shape: the layers and experts of
     # a model repeat a few shapes many times over. (A plain loop of f-strings: faster here
@@ -90,11 +91,63 @@ def _header_text(
         key = (dtype, shape)
         middle = middles.get(key)
         if middle is None:
-            dims = ",".join(map(str, shape))
-            middle = middles[key] = f':{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":['
+            middle = middles[key] = _middle(dtype, shape)
         parts.append(f"{encode_basestring(name)}{middle}{position},{end}]}}")
         position = end
     return ("{" + ",".join(parts) + "}").encode("utf-8")
+
+
+def _middle(dtype: str, shape: tuple[int, ...]) -> str:
+    """The text of an entry between its name and its offsets."""
+    dims = ",".join(map(str, shape))
+    return f':{{"dtype":"{dtype}","shape":[{dims}],"data_offsets":['
+
+
+def _metadata_part(metadata: Mapping[str, str] | None) -> str | None:
+    """The header's ``__metadata__`` entry (keys sorted), or None without metadata."""
+    if not metadata:
+        return None
+    meta = {k: metadata[k] for k in sorted(metadata)}
+    return '"__metadata__":' + json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+
+
+# A name that JSON writes as it is, between quotes: no quote, backslash or control character.
+_PLAIN_NAMES = re.compile(r'[^"\\\x00-\x1f]*')
+
+
+def _digits(values: Sequence[int]) -> int:
+    """The decimal digits of ``values`` (non-negative, never decreasing), all together: by
+    bisection at each power of ten, not a string per value."""
+    count = len(values)
+    total = count
+    power = 10
+    while count and values[-1] >= power:
+        total += count - bisect_left(values, power)
+        power *= 10
+    return total
+
+
+def _header_length(
+    table: SpecTable, sizes: Sequence[int], metadata: Mapping[str, str] | None
+) -> int:
+    """``len(_header_text(table, sizes, metadata))``, counted from the columns without making
+    the text: the names' encoded lengths, each distinct middle's times its count, the offsets'
+    digits, and the punctuation."""
+    names = table.names
+    joined = "".join(names)
+    if joined.isascii() and _PLAIN_NAMES.fullmatch(joined):
+        name_bytes = len(joined) + 2 * len(names)  # (each between quotes, as it is)
+    else:
+        name_bytes = sum(len(encode_basestring(n).encode("utf-8")) for n in names)
+    keys = list(zip(table.dtypes, table.shapes, strict=True))
+    lengths = {key: len(_middle(*key)) for key in set(keys)}
+    middles = sum(map(lengths.__getitem__, keys))
+    bounds = list(accumulate(sizes, initial=0))
+    offsets = _digits(bounds[:-1]) + _digits(bounds[1:]) + 3 * len(names)  # (",", "]}")
+    meta = _metadata_part(metadata)
+    parts = len(names) + (meta is not None)
+    meta_bytes = 0 if meta is None else len(meta.encode("utf-8"))
+    return 2 + meta_bytes + name_bytes + middles + offsets + max(0, parts - 1)
 
 
 _NAME = operator.attrgetter("name")
@@ -184,6 +237,32 @@ class _OffsetItems(ItemsView[str, tuple[int, int]]):
         return zip(self._mapping._names, pairs, strict=False)
 
 
+class LazyHeader:
+    """A shard's header bytes, made when written (``bytes(header)``), of a length counted
+    before (``len(header)``), as the layout needs it to place the data.
+
+    A rename of every tensor lays out headers as large as the names they list (100 bytes and
+    more a tensor), every shard's before the first is written: held at once, they would be the
+    conversion's peak memory; made one at a time as each is written, one shard's is."""
+
+    __slots__ = ("_make", "_size")
+
+    def __init__(self, size: int, make: Callable[[], bytes]) -> None:
+        self._size = size
+        self._make = make
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        data = self._make()
+        if len(data) != self._size:  # (never: the count is tested against the text)
+            raise RuntimeError(
+                f"a header of {len(data)} bytes was made where {self._size} were laid out"
+            )
+        return data
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """One output file: its name, header bytes, and each tensor's absolute file offset.
@@ -191,7 +270,7 @@ class ShardPlan:
     (The writer keeps a copy with empty header bytes once it has written them.)"""
 
     filename: str
-    header: bytes
+    header: bytes | LazyHeader
     offsets: Mapping[str, tuple[int, int]]  # absolute [begin, end) in the file
     size: int
 
@@ -386,7 +465,11 @@ def plan_layout(
     for index, (name, (text, order, sizes, runs)) in enumerate(
         zip(_shard_names(len(placed)), placed, strict=True)
     ):
-        header = len(text).to_bytes(8, "little") + text
+        header: bytes | LazyHeader = (
+            len(text).to_bytes(8, "little") + text
+            if isinstance(text, bytes)
+            else LazyHeader(8 + len(text), partial(_prefixed, text))
+        )
         base = len(header)
         names = order.names if isinstance(order, SpecTable) else list(map(_NAME, order))
         offsets = Offsets(names, array("q", accumulate(sizes, initial=base)))
@@ -453,7 +536,7 @@ def plan_members(
 
 # One shard laid out: its padded header JSON, its tensors in file order with their sizes, and
 # the copies that fill it (offsets relative to its data buffer).
-_Placed = tuple[bytes, Sequence[TensorSpec], list[int], list[Copy]]
+_Placed = tuple[bytes | LazyHeader, Sequence[TensorSpec], list[int], list[Copy]]
 
 
 def _place(
@@ -617,11 +700,28 @@ def _place_whole(
     if runs is not None:
         gain, residue = _best_residue(runs)
         if gain >= CLONE_BLOCK:
-            text = _header_text(group, sizes, metadata)
-            text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
+            if isinstance(group, SpecTable):  # (a whole checkpoint's: made when written)
+                size = _header_length(group, sizes, metadata)
+                pad = (residue - 8 - size) % CLONE_BLOCK
+                text: bytes | LazyHeader = LazyHeader(
+                    size + pad, partial(_padded_text, group, sizes, metadata, pad)
+                )
+            else:
+                text = _header_text(group, sizes, metadata)
+                text += b" " * ((residue - 8 - len(text)) % CLONE_BLOCK)
             return text, group, sizes, runs
     by_name = dict(zip(map(_NAME, group), sizes, strict=True))
     return _reference_shard(group, by_name, origins, metadata)
+
+
+def _padded_text(
+    order: Sequence[TensorSpec], sizes: Sequence[int], metadata: Mapping[str, str] | None, pad: int
+) -> bytes:
+    return _header_text(order, sizes, metadata) + b" " * pad
+
+
+def _prefixed(text: LazyHeader) -> bytes:
+    return len(text).to_bytes(8, "little") + bytes(text)
 
 
 def _by_anchor(specs: Sequence[TensorSpec], origins: Mapping[str, Origin]) -> list[TensorSpec]:

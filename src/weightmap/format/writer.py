@@ -306,7 +306,7 @@ class CheckpointWriter:
             for i, shard in enumerate(self.shards):
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
-                pwrite_all(fd, shard.header, 0)
+                pwrite_all(fd, bytes(shard.header), 0)  # (a LazyHeader is made now)
                 os.ftruncate(fd, shard.size)
                 self.shards[i] = replace(shard, header=b"")  # (written: see data_starts)
             for number in sorted({c.file for c in self.copies}):
