@@ -262,7 +262,7 @@ class CheckpointWriter:
         self._src_size: dict[int, int] = {}
         self._pieces: list[Piece] = []
         self._files: dict[str, bytes] = {}
-        self._index: list[bytes] | None = None  # (see prepare_index)
+        self._index_written = False  # (see prepare_index)
         self.tmp: Path | None = None
         self._tmp_mode = 0o700  # the temporary folder's mode as made, given back at commit
         self.committed = False
@@ -532,11 +532,14 @@ class CheckpointWriter:
         return map(str.encode, _index_parts(self._total, weight_map, _INDEX_LINES))
 
     def prepare_index(self) -> None:
-        """Make the index's text now, for :meth:`commit` to write: called while the workers
-        copy, it takes none of the time after them (an index of 100,000 names takes a tenth of
-        a second to sort and write out), at the cost of holding the text until then."""
-        if self._main > 1 and self._index is None:
-            self._index = list(self._index_text())
+        """Write the index into the temporary folder now, rather than at :meth:`commit`:
+        called while the workers copy, it takes none of the time after them (an index of
+        100,000 names takes a tenth of a second to sort and write out)."""
+        if self.tmp is None:
+            raise ExecutionError(f"{self.dest}: the writer is not open")
+        if self._main > 1 and not self._index_written:
+            self._write_small(INDEX_NAME, self._index_text())
+            self._index_written = True
 
     def commit(self) -> Path:
         """Check every byte arrived, fsync, and move the output into place."""
@@ -557,9 +560,8 @@ class CheckpointWriter:
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
-                if self._main > 1:
-                    index = self._index if self._index is not None else self._index_text()
-                    self._write_small(INDEX_NAME, index)
+                if self._main > 1 and not self._index_written:
+                    self._write_small(INDEX_NAME, self._index_text())
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.
                     text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)

@@ -14,10 +14,10 @@ import mmap
 import os
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
-from operator import attrgetter, eq, itemgetter, sub
+from operator import attrgetter, itemgetter, sub
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -481,30 +481,25 @@ class Checkpoint:
                 path=index_path,
                 rule="missing-shard",
             )
-        ckpt = cls._from_files(root, list(shard_names.values()), index_path)
-        # The index is what the shards' headers say where it names as many tensors as they
-        # hold, each in the shard that holds it (their names are unique: _from_files). Checked
-        # at C speed (an index lists every tensor), without a second table of every name: the
-        # loops below only name what disagrees.
-        stored = sum(len(ckpt.headers[path].tensors) for path in shard_names.values())
-        if len(weight_map) == stored and all(
-            all(map(eq, map(weight_map.get, ckpt.headers[path].tensors), repeat(shard)))
-            for shard, path in shard_names.items()
-        ):
-            _check_complete(root, index_path, index, ckpt.headers)
-            return ckpt
+        # Each shard's names taken out of the index as its header is read, and compared at C
+        # speed (an index lists every tensor): the index's own copy of every name, and its
+        # shard's, go as the headers' come, and no second table of every name is made.
+        shard_of = {path: shard for shard, path in shard_names.items()}
         problems: list[str] = []
-        for tensor, shard in weight_map.items():
-            located = ckpt._tensors.get(tensor)
-            if located is None:
-                problems.append(f"{tensor!r} is in the index but in no shard")
-            # The shards' paths are shard_names' own objects: identity first, as an index
-            # lists every tensor and Path.name is slow.
-            elif located[0] is not shard_names[shard] and located[0].name != shard:
-                problems.append(f"{tensor!r} is indexed in {shard} but stored in {located[0].name}")
-        for tensor, (shard_path, _) in ckpt._tensors.items():
-            if tensor not in weight_map:
-                problems.append(f"{tensor!r} is stored in {shard_path.name} but not indexed")
+
+        def take(path: Path, header: Header) -> None:
+            shard = shard_of[path]
+            indexed = list(map(weight_map.pop, header.tensors, repeat(None)))
+            if indexed.count(shard) == len(indexed):
+                return
+            for tensor, where in zip(header.tensors, indexed, strict=True):
+                if where is None:
+                    problems.append(f"{tensor!r} is stored in {path.name} but not indexed")
+                elif where != shard:
+                    problems.append(f"{tensor!r} is indexed in {where} but stored in {path.name}")
+
+        ckpt = cls._from_files(root, list(shard_names.values()), index_path, take)
+        problems[:0] = [f"{tensor!r} is in the index but in no shard" for tensor in weight_map]
         if problems:
             shown = "; ".join(problems[:10])
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -517,7 +512,14 @@ class Checkpoint:
         return ckpt
 
     @classmethod
-    def _from_files(cls, root: Path, files: list[Path], index_path: Path | None) -> Checkpoint:
+    def _from_files(
+        cls,
+        root: Path,
+        files: list[Path],
+        index_path: Path | None,
+        each: Callable[[Path, Header], None] | None = None,
+    ) -> Checkpoint:
+        """The checkpoint of these files (``each(path, header)`` called as each is read)."""
         headers: dict[Path, Header] = {}
         # Every name met so far, to refuse one stored twice (by C calls: a checkpoint may hold
         # 100,000 tensors). The table of names to entries is made only when first asked for.
@@ -543,6 +545,8 @@ class Checkpoint:
                 )
             headers[f] = header
             seen.update(header.tensors)
+            if each is not None:
+                each(f, header)
         ckpt = cls(root, headers, None, _read_config(root, CONFIG_NAME), index_path)
         ckpt._loaded = loaded
         return ckpt
