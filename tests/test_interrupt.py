@@ -439,3 +439,47 @@ def test_the_cli_says_an_interrupted_inplace_rename_was_committed(tmp_path: Path
     )
     with Checkpoint.open(src) as ckpt:
         assert sorted(ckpt) == ["l.0.w", "l.1.w"]
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_a_task_failing_while_meanwhile_runs_stops_it_and_is_the_error_raised() -> None:
+    """``meanwhile`` (the index written while the copies run) is stopped at its next check
+    once a task fails, and the task's error is raised, not the stop."""
+    steps: list[int] = []
+
+    def failing() -> None:
+        raise _Boom("the task's own error")
+
+    def meanwhile(check: Any) -> None:
+        for i in range(200):
+            check()
+            steps.append(i)
+            time.sleep(0.01)
+
+    start = time.perf_counter()
+    with pytest.raises(_Boom, match="the task's own error"):
+        streaming._run_all([failing] + [lambda: None] * 3, 2, CancelToken(), meanwhile)
+    assert len(steps) < 200  # stopped, not run to its end (2 s)
+    assert time.perf_counter() - start < 1.5
+
+
+def test_an_error_of_meanwhile_cancels_the_tasks_and_is_raised() -> None:
+    halt = CancelToken()
+    ran: list[int] = []
+
+    def task() -> None:
+        time.sleep(0.05)
+        halt.check()
+        ran.append(1)
+
+    def meanwhile(check: Any) -> None:
+        raise _Boom("meanwhile's error")
+
+    with pytest.raises(_Boom, match="meanwhile's error"):
+        streaming._run_all([task] * 8, 2, halt, meanwhile)
+    assert halt.cancelled
+    assert len(ran) < 8
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightmap")]

@@ -203,11 +203,14 @@ def _run_all(
     tasks: Sequence[Callable[[], None]],
     workers: int,
     halt: CancelToken,
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
-    """Run the tasks on ``workers`` threads, and ``meanwhile`` in this one as they run; the
-    first failure (a task's error, ``Cancelled``, ``meanwhile``'s error, or a
+    """Run the tasks on ``workers`` threads, and ``meanwhile(check)`` in this one as they run;
+    the first failure (a task's error, ``Cancelled``, ``meanwhile``'s error, or a
     ``KeyboardInterrupt`` in this thread) stops the others at their next chunk.
+
+    ``meanwhile`` calls ``check()`` between its steps, which raises once the run is cancelled
+    or a task has failed; a task's error is the one raised then, not ``meanwhile``'s.
 
     Leaving a ``ThreadPoolExecutor`` block waits for every task queued, which on a large
     conversion is minutes: the queued ones are cancelled instead, and ``halt`` stops the ones
@@ -215,7 +218,7 @@ def _run_all(
     """
     if workers == 1:
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(halt.check)
         for task in tasks:
             halt.check()
             task()
@@ -240,7 +243,7 @@ def _run_all(
         finally:
             go.set()
         if meanwhile is not None:
-            meanwhile()
+            _meanwhile(meanwhile, futures, halt)
         # Woken by the first failure, not by the first future in order (which may be the
         # largest tensor, still running).
         _wait_first_failure(futures)
@@ -252,6 +255,41 @@ def _run_all(
         raise
     finally:
         _shut_down(pool, halt, go)
+
+
+class _TaskFailed(Exception):
+    """A task failed while ``meanwhile`` ran: the task's error is raised instead."""
+
+
+def _failure(futures: Sequence[Future[None]]) -> BaseException | None:
+    """The error of the first task (in order) that has failed, if one has."""
+    for f in futures:
+        if f.done() and not f.cancelled() and (exc := f.exception()) is not None:
+            return exc
+    return None
+
+
+def _meanwhile(
+    meanwhile: Callable[[Callable[[], None]], None],
+    futures: Sequence[Future[None]],
+    halt: CancelToken,
+) -> None:
+    """Run ``meanwhile`` as the tasks run, stopping it at its next check once one fails; a
+    failed task's error wins over ``meanwhile``'s (which may only be that it was stopped)."""
+
+    def check() -> None:
+        halt.check()
+        if _failure(futures) is not None:
+            raise _TaskFailed
+
+    try:
+        meanwhile(check)
+    except Exception:
+        halt.cancel()
+        failed = _failure(futures)
+        if failed is not None:
+            raise failed from None
+        raise
 
 
 def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken, go: threading.Event) -> None:

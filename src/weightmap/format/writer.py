@@ -523,7 +523,7 @@ class CheckpointWriter:
         finally:
             os.close(fd)
 
-    def _index_text(self) -> Iterator[bytes]:
+    def _index_lines(self) -> Iterator[bytes]:
         """The index's text, in parts of ``_INDEX_LINES`` names, made as they are asked for."""
         # Shard by shard at C speed: an index lists every tensor.
         weight_map: dict[str, str] = {}
@@ -531,14 +531,15 @@ class CheckpointWriter:
             weight_map.update(dict.fromkeys(shard.offsets, shard.filename))
         return map(str.encode, _index_parts(self._total, weight_map, _INDEX_LINES))
 
-    def prepare_index(self) -> None:
+    def prepare_index(self, check: Callable[[], None] = lambda: None) -> None:
         """Write the index into the temporary folder now, rather than at :meth:`commit`:
         called while the workers copy, it takes none of the time after them (an index of
-        100,000 names takes a tenth of a second to sort and write out)."""
+        100,000 names takes a tenth of a second to sort and write out). ``check()`` is called
+        before each part (it raises to stop)."""
         if self.tmp is None:
             raise ExecutionError(f"{self.dest}: the writer is not open")
         if self._main > 1 and not self._index_written:
-            self._write_small(INDEX_NAME, self._index_text())
+            self._write_small(INDEX_NAME, _checked(self._index_lines(), check))
             self._index_written = True
 
     def commit(self) -> Path:
@@ -561,7 +562,7 @@ class CheckpointWriter:
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
                 if self._main > 1 and not self._index_written:
-                    self._write_small(INDEX_NAME, self._index_text())
+                    self._write_small(INDEX_NAME, self._index_lines())
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.
                     text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
@@ -650,6 +651,13 @@ def _dangling(link: Path) -> bool:
     except OSError as err:
         return err.errno != errno.ELOOP
     return False
+
+
+def _checked(parts: Iterable[bytes], check: Callable[[], None]) -> Iterator[bytes]:
+    """``parts``, with ``check()`` called before each."""
+    for part in parts:
+        check()
+        yield part
 
 
 def transfer_piece(src_fd: int, fd: int, piece: Piece, what: str) -> bool:
