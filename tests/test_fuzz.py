@@ -450,7 +450,7 @@ def writer_headers(draw: st.DrawFn) -> dict[str, Any]:
     compact=st.booleans(),
     ascii_only=st.booleans(),
     pad=st.integers(0, 9),
-    mutate=st.integers(0, 3),
+    mutate=st.integers(0, 5),
     data=st.data(),
 )
 def test_fuzz_header_columns_agree_with_the_decoders(
@@ -466,11 +466,24 @@ def test_fuzz_header_columns_agree_with_the_decoders(
         entry = header[data.draw(st.sampled_from(entries))]
         entry["shape"] = [*entry["shape"], data.draw(st.integers(0, 3))]
     raw = json.dumps(header, separators=separators, ensure_ascii=ascii_only).encode()
-    raw += b" " * pad
+    if mutate == 4 and entries and compact:  # by hand: a name twice, or the metadata last
+        pairs = [(k, v) for k, v in header.items() if k != "__metadata__"]
+        if "__metadata__" in header and data.draw(st.booleans()):
+            pairs.append(("__metadata__", header["__metadata__"]))
+        else:
+            pairs.insert(data.draw(st.integers(0, len(pairs))), data.draw(st.sampled_from(pairs)))
+        text = ",".join(
+            json.dumps(k, ensure_ascii=False) + ":" + json.dumps(v, separators=(",", ":"))
+            for k, v in pairs
+        )
+        raw = ("{" + text + "}").encode()
+    raw += data.draw(st.sampled_from([b" "] * 6 + [b"\n", b"\t", b"\x0b", b"  \r"])) * pad
     size = max((header[k]["data_offsets"][1] for k in entries), default=0)
     file_size = 8 + len(raw) + size  # (a mutation leaves it as the header said)
     if mutate == 2:
         raw = data.draw(byte_mutations(raw))
+    if mutate == 5:  # a file larger or smaller than the header says
+        file_size += data.draw(st.sampled_from([-8, -1, 1, 2, 100]))
     taken: list[bool] = []
     real = header_module._column_header
 
@@ -832,3 +845,73 @@ def test_include_of_a_huge_file_is_refused(tmp_path: Path) -> None:
     big.write_text("weightmap 1\n" + "# padding\n" * 200_000)
     with pytest.raises(MappingError, match="larger than 1,000,000 bytes"):
         load_mapping(f'weightmap 1\ninclude "{big}"\n')
+
+
+def _entry_text(name: str, dtype: str, shape: str, begin: int, end: int) -> str:
+    return f'"{name}":{{"dtype":"{dtype}","shape":[{shape}],"data_offsets":[{begin},{end}]}}'
+
+
+# Headers in the writers' form but for one thing, each of which a rule refuses (or, last, which
+# the decoders take and the columns leave to them): (text, bytes of data after the header).
+_NOT_COLUMNS = {
+    "trailing-bytes": ("{" + _entry_text("a", "U8", "4", 0, 4) + "}", 104),
+    "truncated": ("{" + _entry_text("a", "U8", "4", 0, 4) + "}", 3),
+    "duplicate-name": (
+        "{" + _entry_text("a", "U8", "4", 0, 4) + "," + _entry_text("a", "U8", "4", 4, 8) + "}",
+        8,
+    ),
+    "metadata-as-entry": (
+        "{"
+        + _entry_text("a", "U8", "4", 0, 4)
+        + ","
+        + _entry_text("__metadata__", "U8", "4", 4, 8)
+        + "}",
+        8,
+    ),
+    "leading-zero-dim": ("{" + _entry_text("a", "U8", "04", 0, 4) + "}", 4),
+    "leading-zero-offset": (
+        "{" + _entry_text("a", "U8", "4", 0, 4).replace("[0,", "[00,") + "}",
+        4,
+    ),
+    "lone-surrogate-metadata": (
+        '{"__metadata__":{"k":"\\ud800"},' + _entry_text("a", "U8", "4", 0, 4) + "}",
+        4,
+    ),
+    "vertical-tab-after": ("{" + _entry_text("a", "U8", "4", 0, 4) + "}\x0b", 4),
+    "offsets-past-2**63": (
+        "{" + _entry_text("a", "U8", str(2**63), 0, 2**63) + "}",
+        4,
+    ),
+    "empty-tensor": ("{" + _entry_text("a", "U8", "0", 0, 0) + "}", 0),
+    "metadata-last": (
+        "{" + _entry_text("a", "U8", "4", 0, 4) + ',"__metadata__":{"k":"v"}}',
+        4,
+    ),
+    "newline-after": ("{" + _entry_text("a", "U8", "4", 0, 4) + "}\n", 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NOT_COLUMNS))
+def test_a_header_the_columns_do_not_take_is_the_decoders(case: str) -> None:
+    """Each rule the columns check, broken once: they leave the header to the decoders, which
+    refuse it (or, for the last few, take it) as they always have."""
+    text, data = _NOT_COLUMNS[case]
+    raw = text.encode()
+    file_size = 8 + len(raw) + data
+    assert header_module._column_header(text, len(raw), file_size) is None
+    assert _parsed(raw, file_size, True) == _parsed(raw, file_size, False)
+
+
+def test_the_columns_take_the_plain_cases_beside_those() -> None:
+    # (So the table above tests the checks, not a header the columns never take.)
+    for text, data in [
+        ("{" + _entry_text("a", "U8", "4", 0, 4) + "}", 4),
+        ("{" + _entry_text("", "U8", "4", 0, 4) + "}   ", 4),
+        ('{"__metadata__":{"k":"v"},' + _entry_text("a", "U8", "4", 0, 4) + "}", 4),
+        (
+            "{" + _entry_text("a", "U8", "4", 0, 4) + "," + _entry_text("b", "U8", "4", 4, 8) + "}",
+            8,
+        ),
+    ]:
+        raw = text.encode()
+        assert header_module._column_header(text, len(raw), 8 + len(raw) + data) is not None

@@ -77,7 +77,7 @@ class TensorTable(Mapping[str, TensorInfo]):
     or by a pass over ``values()``/``items()``), and the names' positions only when a name is
     first looked up. The dtypes are the table's own strings and the shapes one tuple per
     distinct shape; begins and ends are int64 columns (8 bytes each, where an int object takes
-    32).
+    32). The columns are read-only: a checkpoint's specs share their strings.
     """
 
     __slots__ = ("_rows", "begins", "dtypes", "ends", "names", "shapes")
