@@ -16,6 +16,7 @@ from weightmap.compiler import bulk
 from weightmap.compiler import compile as compile_module
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError
+from weightmap.execute import sources as sources_module
 from weightmap.format import header as header_module
 from weightmap.format import layout as layout_module
 from weightmap.format.dtypes import SpecTable, TensorSpec
@@ -115,12 +116,15 @@ def _outcome(text: str, specs: list[TensorSpec], one_pass: bool) -> Any:
 
 
 def _spy(
-    patch: pytest.MonkeyPatch, owner: Any = compile_module, name: str = "bulk_renames"
+    patch: pytest.MonkeyPatch,
+    owner: Any = compile_module,
+    name: str = "bulk_renames",
+    module: Any = bulk,
 ) -> list[bool]:
-    """Whether each call of ``bulk.<name>`` (as ``owner`` calls it) through ``patch`` found
-    something (True: the one pass, or the columns, took the plan) or not (False)."""
+    """Whether each call of ``module.<name>`` (``bulk``'s, as ``owner`` calls it) through
+    ``patch`` found something (True: the one pass, or the columns, took the plan) or not."""
     taken: list[bool] = []
-    real = getattr(bulk, name)
+    real = getattr(module, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         found = real(*args, **kwargs)
@@ -299,7 +303,12 @@ def test_a_rename_read_as_columns_writes_the_bytes_of_one_read_as_objects(
             "_header_length",
             lambda *args: counted.append(1) or real_length(*args),
         )
+        # Every stage took its columns: the headers, the compiler and the origins.
+        headers = _spy(patch, header_module, "_column_header", header_module)
+        tables = _spy(patch, bulk, "_table_alternative")
+        origins = _spy(patch, sources_module, "_every_input", sources_module)
         weightmap.remap(tmp_path / "in", tmp_path / "columns", **options)
+    assert headers == [True] * 3 and tables == [True] and origins == [True]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(header_module, "_column_header", lambda *args: None)
         real = Checkpoint.specs

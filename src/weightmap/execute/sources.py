@@ -133,9 +133,10 @@ def _whole_origins(plan: Plan, ckpt: Checkpoint) -> WholeOrigins | None:
     if isinstance(outputs, OutputTable):
         if not outputs:
             return None
-        if outputs.sources is ckpt.specs():
-            return _every_input(outputs, ckpt)
-        inputs = outputs.sources.names
+        every = _every_input(outputs, ckpt) if outputs.sources is ckpt.specs() else None
+        if every is not None:
+            return every
+        inputs: Sequence[str] = outputs.sources.names
     else:
         nodes = tuple(map(_NODE, outputs))
         if not only_sources(nodes):

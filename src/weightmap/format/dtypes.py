@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, eq
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 from weightmap.format.slots import make_many, slot_setter
 
@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 Kind = Literal["bool", "float", "int", "uint", "complex"]
+T = TypeVar("T")
 
 # Largest value a u64 can hold: the reference implementation computes sizes in u64 and refuses
 # anything that overflows, so a header whose sizes only fit in Python's big ints is malformed.
@@ -209,10 +210,11 @@ class SpecTable(Sequence[TensorSpec]):
     ) -> None:
         if not len(names) == len(dtypes) == len(shapes) == len(sizes):
             raise ValueError("the columns of a SpecTable differ in length")
-        self.names = names
-        self.dtypes = dtypes
-        self.shapes = shapes
-        self.sizes = sizes
+        # Tuples, as a plan's specs are immutable (a checkpoint's table is its plan's inputs).
+        self.names: tuple[str, ...] = _frozen(names)
+        self.dtypes: tuple[str, ...] = _frozen(dtypes)
+        self.shapes: tuple[tuple[int, ...], ...] = _frozen(shapes)
+        self.sizes: tuple[int, ...] = _frozen(sizes)
 
     @classmethod
     def of(cls, specs: Sequence[TensorSpec]) -> SpecTable:
@@ -254,9 +256,9 @@ class SpecTable(Sequence[TensorSpec]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, SpecTable):
             return (
-                list(self.names) == list(other.names)
-                and list(self.dtypes) == list(other.dtypes)
-                and list(self.shapes) == list(other.shapes)
+                self.names == other.names
+                and self.dtypes == other.dtypes
+                and self.shapes == other.shapes
             )
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(map(eq, self, other))
@@ -272,3 +274,7 @@ class SpecTable(Sequence[TensorSpec]):
 _NAME = attrgetter("name")
 _DTYPE = attrgetter("dtype")
 _SHAPE = attrgetter("shape")
+
+
+def _frozen(column: Sequence[T]) -> tuple[T, ...]:
+    return column if isinstance(column, tuple) else tuple(column)

@@ -151,7 +151,7 @@ class OutputTable(Sequence[OutputTensor]):
             return (
                 self.origin == other.origin
                 and self.specs == other.specs
-                and list(self.sources.names) == list(other.sources.names)
+                and self.sources == other.sources
             )
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(map(eq, self, other))
