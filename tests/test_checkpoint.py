@@ -151,6 +151,34 @@ def test_index_mismatch(tmp_path: Path, weight_map: dict[str, object], text: str
     assert info.value.rule == "index-mismatch"
 
 
+@pytest.mark.parametrize(
+    "weight_map",
+    [
+        # The same tensor in two shards: the last would otherwise count, silently.
+        '{"a": "s1.safetensors", "b": "s1.safetensors", "c": "s1.safetensors", '
+        '"c": "s2.safetensors"}',
+        # Twice in the same shard, and a space before the colons (the keys counted again).
+        '{"a" : "s1.safetensors", "b" : "s1.safetensors", "b" : "s1.safetensors", '
+        '"c" : "s2.safetensors"}',
+    ],
+    ids=["two-shards", "one-shard-spaced"],
+)
+def test_index_naming_a_tensor_twice_is_refused(tmp_path: Path, weight_map: str) -> None:
+    _shards(tmp_path)
+    text = '{"metadata": {"total_size": 36}, "weight_map": ' + weight_map + "}"
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"key 'c' twice|key 'b' twice") as info:
+        Checkpoint.open(tmp_path)
+    assert info.value.rule == "json-duplicate-key"
+
+
+def test_index_with_a_quote_colon_inside_a_name_is_read(tmp_path: Path) -> None:
+    # (`\":` in a string is counted as a key by the quick count: decoded again, no key twice.)
+    save_file({'x":y': torch.zeros(1)}, tmp_path / "s1.safetensors")
+    _index(tmp_path, {'x":y': "s1.safetensors"})
+    assert list(Checkpoint.open(tmp_path)) == ['x":y']
+
+
 def test_unreferenced_files_are_ignored(tmp_path: Path) -> None:
     # Hub repositories often ship a consolidated file beside the shards; the index decides.
     _shards(tmp_path)

@@ -306,7 +306,12 @@ def redacted(text: str, limit: int = 300, secrets: Iterable[str] = ()) -> str:
 
 
 def read_json_file(
-    path: Path, what: str, *, max_size: int = MAX_JSON_FILE, fd: int | None = None
+    path: Path,
+    what: str,
+    *,
+    max_size: int = MAX_JSON_FILE,
+    fd: int | None = None,
+    unique_keys: bool = False,
 ) -> Any:
     """Read a small JSON file strictly, or raise a :class:`CheckpointError` naming ``what``.
 
@@ -315,9 +320,11 @@ def read_json_file(
     written back as UTF-8. ``fd``, when given, is the file already opened and checked by the
     caller (``inputs/opening.py``): it is read through that descriptor alone, and left open.
     Without it, ``path`` is opened once here and a link at its last part is refused.
+    ``unique_keys``: an object that holds a key twice is refused too (JSON readers disagree on
+    which value counts; Python's keeps the last).
     """
     if fd is not None:
-        return _read_json_fd(fd, path, what, max_size)
+        return _read_json_fd(fd, path, what, max_size, unique_keys)
     try:
         own = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
@@ -329,12 +336,12 @@ def read_json_file(
             rule="link-escape",
         ) from None
     try:
-        return _read_json_fd(own, path, what, max_size)
+        return _read_json_fd(own, path, what, max_size, unique_keys)
     finally:
         os.close(own)
 
 
-def _read_json_fd(fd: int, path: Path, what: str, max_size: int) -> Any:
+def _read_json_fd(fd: int, path: Path, what: str, max_size: int, unique_keys: bool = False) -> Any:
     st = regular(fd)
     if st is None:
         shown = kind(os.fstat(fd).st_mode)
@@ -354,10 +361,10 @@ def _read_json_fd(fd: int, path: Path, what: str, max_size: int) -> Any:
         raise CheckpointError(
             f"{what} changed while it was read; try again", path=path, rule="changed"
         )
-    return _parse_json_bytes(data, path, what)
+    return _parse_json_bytes(data, path, what, unique_keys)
 
 
-def _parse_json_bytes(data: bytes, path: Path, what: str) -> Any:
+def _parse_json_bytes(data: bytes, path: Path, what: str, unique_keys: bool = False) -> Any:
     try:
         text = data.decode("utf-8")
         value = json.loads(text)
@@ -384,7 +391,62 @@ def _parse_json_bytes(data: bytes, path: Path, what: str) -> Any:
         raise CheckpointError(
             f"{what} holds a lone surrogate escape, which is not UTF-8", path=path, rule="json"
         )
+    if unique_keys and _keys(value) != text.count('":'):
+        # (Every key ends in an unescaped quote and a colon. Counted so first, the common
+        # case costs one pass over the text; where the counts differ, as with spaces before
+        # a colon, or `\\":` inside a string, the text is decoded again to find the key.)
+        twice = _key_twice(text)
+        if twice is not None:
+            raise CheckpointError(
+                f"{what} holds the key {twice[:200]!r} twice in one object: JSON readers "
+                "disagree on which value counts; remove one",
+                path=path,
+                rule="json-duplicate-key",
+            )
     return value
+
+
+def _keys(value: Any) -> int:
+    """The keys of every object in a decoded JSON value, together."""
+    count = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            count += len(item)
+            # (The types seen first, by C calls: an index's weight map holds 100,000 strings.)
+            if not _CONTAINERS.isdisjoint(set(map(type, item.values()))):
+                stack += [v for v in item.values() if type(v) in _CONTAINERS]
+        elif type(item) is list:
+            stack += [v for v in item if type(v) in _CONTAINERS]
+    return count
+
+
+_CONTAINERS = frozenset({dict, list})
+
+
+class _Twice(Exception):
+    pass
+
+
+def _key_twice(text: str) -> str | None:
+    """A key that some object of the JSON ``text`` holds twice, if any."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result = dict(pairs)
+        if len(result) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise _Twice(key)
+                seen.add(key)
+        return result
+
+    try:
+        json.loads(text, object_pairs_hook=unique)
+    except _Twice as exc:
+        return str(exc.args[0])
+    return None
 
 
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

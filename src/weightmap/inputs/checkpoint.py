@@ -451,7 +451,9 @@ class Checkpoint:
 
     @classmethod
     def _from_index(cls, root: Path, index_path: Path) -> Checkpoint:
-        index = read_folder_json(root, index_path, index_path.name)
+        # (A tensor named twice in the weight map, maybe in two shards: refused, not the last
+        # of the two taken.)
+        index = read_folder_json(root, index_path, index_path.name, unique_keys=True)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise CheckpointError(
                 'index must be a JSON object with a "weight_map" object',
@@ -596,10 +598,10 @@ class Checkpoint:
                 # Straight from the headers' columns, as columns: no spec made per tensor.
                 columns = cast(list[TensorTable], tables)
                 self._specs = SpecTable(
-                    list(chain.from_iterable(t.names for t in columns)),
-                    list(chain.from_iterable(t.dtypes for t in columns)),
-                    list(chain.from_iterable(t.shapes for t in columns)),
-                    shared(list(chain.from_iterable(map(TensorTable.sizes, columns)))),
+                    tuple(chain.from_iterable(t.names for t in columns)),
+                    tuple(chain.from_iterable(t.dtypes for t in columns)),
+                    tuple(chain.from_iterable(t.shapes for t in columns)),
+                    tuple(shared(list(chain.from_iterable(map(TensorTable.sizes, columns))))),
                 )
                 return self._specs
             if not strided:

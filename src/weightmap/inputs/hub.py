@@ -423,7 +423,7 @@ class HubRepo:
                 return [name, *configs]
             index_name = name
             index_path = self.fetch([folder + index_name]) / folder / index_name
-            index = read_folder_json(index_path.parent, index_path, "the index")
+            index = read_folder_json(index_path.parent, index_path, "the index", unique_keys=True)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 # As opening the folder would say it, before the shards are downloaded.

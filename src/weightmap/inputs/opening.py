@@ -92,7 +92,8 @@ def opened(
         os.close(fd)
 
 
-def read_folder_json(root: Path, path: Path, what: str) -> Any:
-    """The JSON value in ``path`` of folder ``root``, read strictly through one descriptor."""
+def read_folder_json(root: Path, path: Path, what: str, *, unique_keys: bool = False) -> Any:
+    """The JSON value in ``path`` of folder ``root``, read strictly through one descriptor
+    (``unique_keys``: see ``read_json_file``)."""
     with opened(root, path, what) as fd:
-        return read_json_file(path, what, fd=fd)
+        return read_json_file(path, what, fd=fd, unique_keys=unique_keys)
