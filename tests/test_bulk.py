@@ -17,9 +17,11 @@ from weightmap.compiler import compile as compile_module
 from weightmap.compiler.compile import compile_plan
 from weightmap.errors import MappingError
 from weightmap.execute import sources as sources_module
+from weightmap.execute import streaming
 from weightmap.format import header as header_module
 from weightmap.format import layout as layout_module
 from weightmap.format.dtypes import SpecTable, TensorSpec
+from weightmap.format.writer import CheckpointWriter
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.language import ast as A
 from weightmap.language.mapping import load_mapping
@@ -375,3 +377,27 @@ def test_digits_are_counted_at_every_power_of_ten() -> None:
     values = [0, 1, 9, 10, 11, 99, 100, 101, 999, 1000, 10**12, 10**19, 2**64 - 1]
     for end in range(len(values) + 1):
         assert layout_module._digits(values[:end]) == sum(len(str(v)) for v in values[:end])
+
+
+def test_headers_left_for_the_copies_are_written_by_the_commit_if_not_before(
+    tmp_path: Path,
+) -> None:
+    """A rename's headers are made and written as the copies run (with the index); where that
+    did not happen (the step stopped short), the commit writes them: the same bytes."""
+    _shards(tmp_path / "in")
+    mapping = 'weightmap 1\nrename "model.layers.{n}.{rest*}" -> "layers.{n}.{rest}"\n'
+    weightmap.remap(tmp_path / "in", tmp_path / "during", mapping=mapping)
+    with pytest.MonkeyPatch.context() as patch:
+        deferred: list[int] = []
+        real_open = CheckpointWriter.open
+
+        def opened(self: CheckpointWriter) -> None:
+            real_open(self)
+            deferred.append(len(self._pending))
+
+        patch.setattr(CheckpointWriter, "open", opened)
+        patch.setattr(streaming, "_meanwhile_writes", lambda writer, check: None)
+        weightmap.remap(tmp_path / "in", tmp_path / "commit", mapping=mapping)
+    assert deferred == [3]  # (every shard's header was left for later)
+    for path in sorted((tmp_path / "during").iterdir()):
+        assert path.read_bytes() == (tmp_path / "commit" / path.name).read_bytes(), path.name

@@ -257,6 +257,13 @@ def _run_all(
         _shut_down(pool, halt, go)
 
 
+def _meanwhile_writes(writer: CheckpointWriter, check: Callable[[], None]) -> None:
+    """What the main thread writes while the workers copy: the headers left for then, and
+    the index."""
+    writer.write_headers(check)
+    writer.prepare_index(check)
+
+
 class _TaskFailed(Exception):
     """A task failed while ``meanwhile`` ran: the task's error is raised instead."""
 
@@ -413,6 +420,10 @@ def execute(
     if before_commit is not None:
         check = before_commit
         writer.before_move = lambda folder: check(folder, counts.stats)
+    # A plan that only moves bytes starts its copies before the headers are made: they are
+    # made and written as the copies run, with the index (nothing computed writes past the
+    # page cache, in blocks a header may share).
+    writer.defer_headers = not computed
     try:
         with writer:
             tasks: list[Callable[[], None]] = []
@@ -428,7 +439,7 @@ def execute(
                 ranges = [(name, sources.ranges(name)) for name in sources.copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
                     tasks.append(partial(_checksum, group, counts.stats.checksums, halt))
-            _run_all(tasks, n_workers, halt, writer.prepare_index)
+            _run_all(tasks, n_workers, halt, partial(_meanwhile_writes, writer))
             halt.check()
             # An input rewritten under us may have fed some tensors old bytes and some new:
             # only an input unchanged from start to end gives an output worth committing.

@@ -32,6 +32,7 @@ from weightmap.format.layout import (
     INDEX_NAME,
     Copy,
     Layouts,
+    LazyHeader,
     Origin,
     aligned_middle,
     plan_members,
@@ -263,6 +264,11 @@ class CheckpointWriter:
         self._pieces: list[Piece] = []
         self._files: dict[str, bytes] = {}
         self._index_written = False  # (see prepare_index)
+        # Headers made only when written (a whole rename's) may be written after the copies
+        # into their shards have begun, by write_headers (the copies touch none of their
+        # bytes); the commit writes any left.
+        self.defer_headers = False
+        self._pending: list[tuple[int, LazyHeader]] = []
         self.tmp: Path | None = None
         self._tmp_mode = 0o700  # the temporary folder's mode as made, given back at commit
         self.committed = False
@@ -306,7 +312,10 @@ class CheckpointWriter:
             for i, shard in enumerate(self.shards):
                 fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
-                pwrite_all(fd, bytes(shard.header), 0)  # (a LazyHeader is made now)
+                if self.defer_headers and isinstance(shard.header, LazyHeader):
+                    self._pending.append((fd, shard.header))  # (see write_headers)
+                else:
+                    pwrite_all(fd, bytes(shard.header), 0)  # (a LazyHeader is made now)
                 os.ftruncate(fd, shard.size)
                 self.shards[i] = replace(shard, header=b"")  # (written: see data_starts)
             for number in sorted({c.file for c in self.copies}):
@@ -531,6 +540,15 @@ class CheckpointWriter:
             weight_map.update(dict.fromkeys(shard.offsets, shard.filename))
         return map(str.encode, _index_parts(self._total, weight_map, _INDEX_LINES))
 
+    def write_headers(self, check: Callable[[], None] = lambda: None) -> None:
+        """Make and write the headers ``open`` left for later (``defer_headers``), one at a
+        time; ``check()`` is called before each (it raises to stop)."""
+        while self._pending:
+            check()
+            fd, header = self._pending[0]
+            pwrite_all(fd, bytes(header), 0)
+            del self._pending[0]
+
     def prepare_index(self, check: Callable[[], None] = lambda: None) -> None:
         """Write the index into the temporary folder now, rather than at :meth:`commit`:
         called while the workers copy, it takes none of the time after them (an index of
@@ -556,6 +574,7 @@ class CheckpointWriter:
                         f"{self.dest}: {shard.filename} got {written:,} of its {expected:,} "
                         "data bytes: tensors were not written in full; nothing was committed"
                     )
+            self.write_headers()
             self._close_inputs()
             self._directs.close()  # (the shards' own descriptors fsync what went through them)
             # The small files are made and written while the shards' fsyncs wait on the disk
