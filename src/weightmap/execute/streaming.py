@@ -22,14 +22,14 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from weightmap.errors import ExecutionError, FormatError
+from weightmap.errors import Cancelled, ExecutionError, FormatError
 from weightmap.execute.compute import Computer
 from weightmap.execute.options import DEFAULT_CHUNK_BYTES, check_workers, default_workers
 from weightmap.execute.sources import plan_writer
@@ -213,8 +213,9 @@ def _run_all(
     or a task has failed; a task's error is the one raised then, not ``meanwhile``'s.
 
     Leaving a ``ThreadPoolExecutor`` block waits for every task queued, which on a large
-    conversion is minutes: the queued ones are cancelled instead, and ``halt`` stops the ones
-    running at their next boundary, so that the caller sees the failure within one chunk.
+    conversion is minutes: once ``halt`` is cancelled, the queued ones end as they start and
+    the running ones at their next boundary, so that the caller sees the failure within one
+    chunk. This thread never takes a future's lock (see ``_Tasks``).
     """
     if workers == 1:
         if meanwhile is not None:
@@ -228,33 +229,85 @@ def _run_all(
     # a KeyboardInterrupt there (a Ctrl-C from the first task's progress callback, say) leaves
     # a worker the pool never learnt of, which its shutdown does not wait for.
     go = _Gate()
+    tracked = _Tasks(len(tasks))
 
     def gated(task: Callable[[], None]) -> None:
-        go.wait()
-        halt.check()  # (a worker started as the submission failed holds a task: dropped)
-        task()
+        failed: BaseException | None = None
+        try:
+            go.wait()
+            halt.check()  # (queued when the run stopped, or as the submission failed: dropped)
+            task()
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            tracked.ended(failed)
 
     try:
         try:
-            futures = [pool.submit(gated, task) for task in tasks]
+            for task in tasks:
+                pool.submit(gated, task)
         except BaseException:
             halt.cancel()  # (before the gate opens)
             raise
         finally:
             go.set()
         if meanwhile is not None:
-            _meanwhile(meanwhile, futures, halt)
-        # Woken by the first failure, not by the first future in order (which may be the
-        # largest tensor, still running).
-        _wait_first_failure(futures)
-        for f in futures:
-            if f.done():
-                f.result()
+            _meanwhile(meanwhile, tracked, halt)
+        # Woken by the first failure, not by the first task in order (which may be the
+        # largest tensor, still running); in slices, so that a signal's handler runs within
+        # one whatever thread the signal reached (a signal the kernel hands to a worker wakes
+        # no one, and its handler runs only when this thread next runs Python code).
+        while not tracked.finished.wait(_WAKE_EVERY):
+            pass
+        failed = tracked.first()
+        if failed is not None:
+            raise failed
     except BaseException:
         halt.cancel()
         raise
     finally:
         _shut_down(pool, halt, go)
+
+
+class _Tasks:
+    """What the tasks have done, as their workers tell it: how many are left, their errors,
+    and ``finished``, set once all have ended or one has failed.
+
+    Told in the worker threads and read in the calling thread without taking any lock a
+    worker takes: a KeyboardInterrupt in the calling thread may land anywhere, and one that
+    lands inside a lock it holds leaves it held. A future's lock (``done()``, ``result()``,
+    ``add_done_callback``, ``cancel()``: ``concurrent.futures.wait`` takes them all) left so
+    blocks the next worker that takes it, and the shutdown that waits for that worker, for
+    ever; so the futures are never looked at."""
+
+    def __init__(self, count: int) -> None:
+        self.finished = threading.Event()
+        self.failed = threading.Event()
+        self._left = count
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()  # (taken in the workers only)
+        if count == 0:
+            self.finished.set()
+
+    def ended(self, failed: BaseException | None) -> None:
+        with self._lock:
+            self._left -= 1
+            if failed is not None:
+                self._errors.append(failed)
+            done = self._left == 0
+        if failed is not None:
+            self.failed.set()
+        if done or failed is not None:
+            self.finished.set()
+
+    def first(self) -> BaseException | None:
+        """The first error that is a task's own (not a stop because another failed or the run
+        was cancelled), else the first, else None."""
+        errors = list(self._errors)  # (a copy: a worker may add one meanwhile)
+        own = [e for e in errors if not isinstance(e, Cancelled)]
+        found = own or errors
+        return found[0] if found else None
 
 
 def _meanwhile_writes(writer: CheckpointWriter, check: Callable[[], None]) -> None:
@@ -268,48 +321,41 @@ class _TaskFailed(Exception):
     """A task failed while ``meanwhile`` ran: the task's error is raised instead."""
 
 
-def _failure(futures: Sequence[Future[None]]) -> BaseException | None:
-    """The error of the first task (in order) that has failed, if one has."""
-    for f in futures:
-        if f.done() and not f.cancelled() and (exc := f.exception()) is not None:
-            return exc
-    return None
-
-
 def _meanwhile(
-    meanwhile: Callable[[Callable[[], None]], None],
-    futures: Sequence[Future[None]],
-    halt: CancelToken,
+    meanwhile: Callable[[Callable[[], None]], None], tracked: _Tasks, halt: CancelToken
 ) -> None:
     """Run ``meanwhile`` as the tasks run, stopping it at its next check once one fails; a
     failed task's error wins over ``meanwhile``'s (which may only be that it was stopped)."""
 
     def check() -> None:
         halt.check()
-        if _failure(futures) is not None:
+        if tracked.failed.is_set():
             raise _TaskFailed
 
     try:
         meanwhile(check)
     except Exception:
+        # (The tasks' errors are looked at before the run is stopped: once it is, the others
+        # end with Cancelled, which is no one's error.)
+        failed = tracked.first()
         halt.cancel()
-        failed = _failure(futures)
         if failed is not None:
             raise failed from None
         raise
 
 
 def _shut_down(pool: ThreadPoolExecutor, halt: CancelToken, go: threading.Event) -> None:
-    """Cancel the queued tasks and wait for the running ones, which stop at their next chunk
-    once ``halt`` is cancelled. A KeyboardInterrupt during the wait (a second Ctrl-C) cancels
-    ``halt`` and is raised once every worker has ended, never leaving one running. The gate
-    is opened on every try: an interrupt inside ``go.set()`` may have left it shut, and the
-    workers waiting at it would never end."""
+    """Wait for the workers: once ``halt`` is cancelled, the queued tasks end as they start
+    and the running ones at their next chunk (the queued ones are not cancelled here, which
+    would take each one's lock in this thread: see ``_Tasks``). A KeyboardInterrupt during the
+    wait (a second Ctrl-C) cancels ``halt`` and is raised once every worker has ended, never
+    leaving one running. The gate is opened on every try: an interrupt inside ``go.set()``
+    may have left it shut, and the workers waiting at it would never end."""
     interrupted: KeyboardInterrupt | None = None
     while True:
         try:
             go.set()
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True)
             break
         except KeyboardInterrupt as exc:
             halt.cancel()
@@ -323,34 +369,6 @@ _Gate = threading.Event
 
 # How often the thread waiting on the workers wakes to run pending signal handlers (seconds).
 _WAKE_EVERY = 0.05
-
-
-def _wait_first_failure(futures: Sequence[Future[None]]) -> None:
-    """Return once every future is done or one has failed.
-
-    ``concurrent.futures.wait`` takes every future's lock in turn before it waits: a
-    KeyboardInterrupt from the signal handler between two of those leaves the ones taken held,
-    the next worker to finish blocks on its future's lock for ever, and the clean-up waiting for
-    the workers never returns (seen with 128 futures and a Ctrl-C just after the start). Here
-    the only wait is on an Event, which a KeyboardInterrupt leaves as it found it. Bounded
-    slices, so that a signal's handler runs within one whatever thread the signal reached.
-    """
-    finished = threading.Event()
-    lock = threading.Lock()
-    left = [len(futures)]
-
-    def on_done(f: Future[None]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0 or f.cancelled() or f.exception() is not None:
-                finished.set()
-
-    for f in futures:
-        f.add_done_callback(on_done)
-    # In slices: a signal the kernel hands to a worker thread wakes no one, and its handler
-    # runs only when this thread next runs Python code (a Ctrl-C waited for the whole run).
-    while futures and not finished.wait(_WAKE_EVERY):
-        pass
 
 
 def execute(

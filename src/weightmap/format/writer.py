@@ -390,6 +390,7 @@ class CheckpointWriter:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
+        self._pending.clear()  # (their descriptors are closed)
         if self.tmp is not None and self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp = None
