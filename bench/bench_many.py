@@ -148,9 +148,9 @@ def main() -> None:
         "",
         "**open** reads the shards' headers and the index and checks them against each other; "
         "**compile** matches every name against the mapping and makes the new ones; **the "
-        "rest** lays out the shards and their headers, copies the data (two threads), makes "
-        "the index while the copies run, and fsyncs. A rename of every tensor goes through "
-        "these stages as columns (names, dtypes, shapes, offsets), with no object made per "
+        "rest** lays out the shards, copies the data (two threads) while the main thread "
+        "makes and writes the headers and the index, and fsyncs. A rename of every tensor goes "
+        "through these stages as columns (names, dtypes, shapes, offsets), with no object made per "
         "tensor: what is left is the per-tensor work of the Python that reads, matches and "
         "writes the names, most of it before the first byte is copied.",
     ]

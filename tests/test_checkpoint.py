@@ -160,8 +160,11 @@ def test_index_mismatch(tmp_path: Path, weight_map: dict[str, object], text: str
         # Twice in the same shard, and a space before the colons (the keys counted again).
         '{"a" : "s1.safetensors", "b" : "s1.safetensors", "b" : "s1.safetensors", '
         '"c" : "s2.safetensors"}',
+        # Only the second of the two spaced: the count of `":` is one short, the keys even.
+        '{"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors", '
+        '"c" : "s1.safetensors"}',
     ],
-    ids=["two-shards", "one-shard-spaced"],
+    ids=["two-shards", "one-shard-spaced", "one-spaced"],
 )
 def test_index_naming_a_tensor_twice_is_refused(tmp_path: Path, weight_map: str) -> None:
     _shards(tmp_path)

@@ -391,10 +391,11 @@ def _parse_json_bytes(data: bytes, path: Path, what: str, unique_keys: bool = Fa
         raise CheckpointError(
             f"{what} holds a lone surrogate escape, which is not UTF-8", path=path, rule="json"
         )
-    if unique_keys and _keys(value) != text.count('":'):
-        # (Every key ends in an unescaped quote and a colon. Counted so first, the common
-        # case costs one pass over the text; where the counts differ, as with spaces before
-        # a colon, or `\\":` inside a string, the text is decoded again to find the key.)
+    if unique_keys and _keys(value) != text.count(":"):
+        # (Every key is followed by a colon outside any string, so there are never fewer
+        # colons than keys: counted first, the common case costs one pass over the text;
+        # where there are more, colons inside strings, the text is decoded again to find a
+        # key named twice, if there is one.)
         twice = _key_twice(text)
         if twice is not None:
             raise CheckpointError(
