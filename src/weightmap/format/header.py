@@ -17,6 +17,7 @@ import struct
 from array import array
 from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice, repeat
 from operator import attrgetter, eq, lt, sub
 from types import MappingProxyType
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple, cast
 from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.slots import make_tuple
-from weightmap.format.text import is_utf8, nesting_exceeds
+from weightmap.format.text import is_utf8, nesting_exceeds, unique_object
 from weightmap.fs.safeopen import kind
 
 __all__ = [
@@ -228,19 +229,10 @@ def _decode_json(text: str, path: str) -> Any:
     The decoder itself is safe on deep nesting: it raises ``RecursionError``.
     """
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        # Called for every object of the header (one per tensor): the dict is built at C
-        # speed, and only a short one is looked through for the name that came twice.
-        result = dict(pairs)
-        if len(result) != len(pairs):
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    raise _fail(
-                        path, "duplicate-name", f"name {_brief(key)} appears twice in the header"
-                    )
-                seen.add(key)
-        return result
+    def twice(key: str) -> FormatError:
+        return _fail(path, "duplicate-name", f"name {_brief(key)} appears twice in the header")
+
+    no_duplicates = partial(unique_object, twice=twice)
 
     def no_constants(name: str) -> Any:
         raise _fail(path, "header-json", f"header JSON contains {name}, which JSON does not allow")

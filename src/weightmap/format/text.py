@@ -15,7 +15,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -430,21 +431,26 @@ class _Twice(Exception):
     pass
 
 
+def unique_object(
+    pairs: list[tuple[str, Any]], twice: Callable[[str], Exception]
+) -> dict[str, Any]:
+    """The object of JSON ``pairs`` (an ``object_pairs_hook``), raising ``twice(key)`` for a
+    key that comes again. The dict is made at C speed; only where it is shorter than the pairs
+    are they looked through (a header's hook runs once per tensor)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise twice(key)
+            seen.add(key)
+    return result
+
+
 def _key_twice(text: str) -> str | None:
     """A key that some object of the JSON ``text`` holds twice, if any."""
-
-    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        result = dict(pairs)
-        if len(result) != len(pairs):
-            seen: set[str] = set()
-            for key, _ in pairs:
-                if key in seen:
-                    raise _Twice(key)
-                seen.add(key)
-        return result
-
     try:
-        json.loads(text, object_pairs_hook=unique)
+        json.loads(text, object_pairs_hook=partial(unique_object, twice=_Twice))
     except _Twice as exc:
         return str(exc.args[0])
     return None
