@@ -373,6 +373,18 @@ def _constant(name: str) -> Any:
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 
+def _plain_metadata(pairs: _Pairs, escapes: bool) -> dict[str, str] | None:
+    """The metadata of a header's ``__metadata__`` object as the quick decoder gives it, or
+    None where it is not plain (a key twice, a value that is no string, a lone surrogate from
+    an escape, which only ``escapes`` in the text can make)."""
+    meta = dict(pairs)
+    if len(meta) != len(pairs) or not all(type(v) is str for v in meta.values()):
+        return None
+    if escapes and not all(is_utf8(k) and is_utf8(v) for k, v in meta.items()):
+        return None
+    return meta
+
+
 def _quick_header(
     text: str, escapes: bool
 ) -> tuple[dict[str, str] | None, list[TensorInfo]] | None:
@@ -397,12 +409,9 @@ def _quick_header(
         if type(entry) is not _Pairs:
             return None
         if name == "__metadata__":
-            meta = dict(entry)
-            if len(meta) != len(entry) or not all(type(v) is str for v in meta.values()):
+            metadata = _plain_metadata(entry, escapes)
+            if metadata is None:
                 return None
-            if escapes and not all(is_utf8(k) and is_utf8(v) for k, v in meta.items()):
-                return None
-            metadata = meta
             continue
         if len(entry) != 3:
             return None
@@ -606,12 +615,8 @@ def _column_metadata(opening: str) -> tuple[bool, dict[str, str] | None]:
         return False, None
     if type(pairs) is not _Pairs:
         return False, None
-    meta = dict(pairs)
-    if len(meta) != len(pairs) or not all(type(v) is str for v in meta.values()):
-        return False, None
-    if not all(is_utf8(k) and is_utf8(v) for k, v in meta.items()):
-        return False, None
-    return True, meta
+    meta = _plain_metadata(pairs, "\\u" in opening)
+    return meta is not None, meta
 
 
 def _column_header(
