@@ -171,8 +171,8 @@ def _every_input(outputs: OutputTable, ckpt: Checkpoint) -> WholeOrigins | None:
             map(add, repeat(start), t.begins) for start, t in zip(starts, columns, strict=True)
         ),
     )
-    lengths = shared(list(chain.from_iterable(map(TensorTable.sizes, columns))))
-    return WholeOrigins(outputs.specs.names, files, offsets, lengths)
+    # (Each input's size is its specs' own column: the checkpoint's specs are the sources.)
+    return WholeOrigins(outputs.specs.names, files, offsets, list(outputs.sources.sizes))
 
 
 _NODE = attrgetter("node")
