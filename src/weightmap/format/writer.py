@@ -581,8 +581,7 @@ class CheckpointWriter:
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
             with fsyncing(self._fds):
-                if self._main > 1 and not self._index_written:
-                    self._write_small(INDEX_NAME, self._index_lines())
+                self.prepare_index()  # (unless written as the copies ran)
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.
                     text = json.dumps(self.config, indent=2, ensure_ascii=False, allow_nan=False)
