@@ -42,8 +42,13 @@ def bulk_renames(
     inputs: Sequence[TensorSpec],
     unmatched: A.Unmatched | None,
     where: A.Loc,
+    *,
+    unique_inputs: bool,
 ) -> tuple[Sequence[OutputTensor], list[Dropped]] | None:
     """``run_rules``'s outputs and drops for keep/rename rules without filters, or None.
+
+    ``unique_inputs``: whether no name comes twice among ``inputs``, as the compiler has
+    found (it reports the name; the working set then runs).
 
     Each input goes to the first rule that takes it, as in the working set; its output is
     that rule's name for it, made by that rule (its origin). A later rule may take the output
@@ -52,7 +57,7 @@ def bulk_renames(
     as there.
     """
     rules = router.rules
-    if not rules or any(rule.op not in _RENAMES for rule in rules):
+    if not unique_inputs or not rules or any(rule.op not in _RENAMES for rule in rules):
         return None
     matcher = router.matcher(0)
     fullmatch, outer, captures, accepts = matcher.parts()
@@ -90,7 +95,6 @@ def bulk_renames(
             table = found_outputs
         else:
             outputs = list(found_outputs)
-        rule_of = dict.fromkeys(_names_of(inputs), owners[k][0])
         hit[k] = True
     else:
         for spec in inputs:
@@ -138,8 +142,6 @@ def bulk_renames(
                 hit[first[r] + pattern_index] = True  # kept as it is, and on to the rules below
                 rest = below[r]
             append(of_output(out, of_source(name, spec.dtype, spec.shape), origin))
-    if len(rule_of) != len(inputs):
-        return None  # a name twice among the inputs: reported by the compiler
     used = {owner for owner, taken in zip(owners, hit, strict=True) if taken}
     for r, rule in enumerate(rules):
         if not rule.optional and any((r, i) not in used for i in range(len(rule.patterns))):
@@ -257,10 +259,6 @@ def _table_alternative(
 
 # Names matched at a time by _table_alternative.
 _SLICE = 16384
-
-
-def _names_of(inputs: Sequence[TensorSpec]) -> Sequence[str]:
-    return inputs.names if isinstance(inputs, SpecTable) else list(map(_NAME, inputs))
 
 
 _NAME = attrgetter("name")

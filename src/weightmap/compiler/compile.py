@@ -80,6 +80,8 @@ class _Compiler:
         self._input_names: Sequence[str] = (
             inputs.names if isinstance(inputs, SpecTable) else [i.name for i in self.inputs]
         )
+        # (The names made a set at C speed; only where one comes twice is it looked for.)
+        self.unique_inputs = len(set(self._input_names)) == len(self.inputs)
         self.config = config
         self.files = files
         self.problems = Problems()
@@ -93,8 +95,7 @@ class _Compiler:
         self.problems.report(loc, message)
 
     def check_unique_inputs(self) -> None:
-        # The names made a set at C speed; only where one came twice is it looked for.
-        if len(set(self._input_names)) == len(self.inputs):
+        if self.unique_inputs:
             return
         seen: set[str] = set()
         for spec in self.inputs:
@@ -351,7 +352,7 @@ def run_rules(
     """Apply the rules in order to the working set (route.py); outputs in plan order, drops."""
     router = Router(rules, scope)
     where = unmatched.loc if unmatched else A.Loc(c.mapping.name, 1, 1)
-    bulk = bulk_renames(router, scope, c.inputs, unmatched, where)
+    bulk = bulk_renames(router, scope, c.inputs, unmatched, where, unique_inputs=c.unique_inputs)
     if bulk is not None:  # keep and rename alone, nothing to report (bulk.py)
         return bulk
     ws = WorkingSet(router, c.report)
