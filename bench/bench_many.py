@@ -1,7 +1,8 @@
 """A rename of 200,000 small tensors in 8 shards against ``cp -r`` + fsync, side by side.
 
     python bench/bench_many.py [--tensors 200000] [--shards 8] [--repeat 5]
-                               [--baseline SRC] [--workdir DIR] [--no-write]
+                               [--baseline SRC [--baseline-name REV]]
+                               [--workdir DIR] [--no-write]
 
 The cost of such a conversion is per tensor (reading headers, compiling, laying out the
 shards, writing the index), not per byte: MoE checkpoints of the DeepSeek-V3 and Kimi-K2 class
@@ -10,11 +11,14 @@ projection (4 KiB), renamed ``model.layers.{n}.mlp.experts.{rest}`` -> ``layers.
 {rest}``. Each run is a fresh process (``bench/_job.py``, through the launcher of
 ``bench/jobs.py``, interleaved, warm page cache, output deleted and synced between runs);
 ``--baseline SRC`` adds a **before** column importing weightmap from another tree's ``src/``
-(e.g. one unpacked with ``git archive``). Writes the section "Many tensors at scale" of
+(e.g. one unpacked with ``git archive``; ``--baseline-name`` says which commit it is in the
+report, where the default is the tree's path). Writes the section "Many tensors at scale" of
 docs/benchmarks.md (``--no-write``: print it only): a table of medians, the operation's time,
 the whole process's, their ratios to ``cp -r`` + fsync, and the peak RSS with what it grew by
 per tensor during the conversion (``ru_maxrss`` after, less before, over the tensors), and
-the operation's time split into opening the checkpoint, compiling the plan and the rest.
+the operation's time split into opening the checkpoint, compiling the plan and the rest; and
+its CPU time (user + system) beside cp's, with the least wall time that CPU time allows when
+spread perfectly over the machine's cores (what no scheduling of the same work can beat).
 """
 
 from __future__ import annotations
@@ -85,8 +89,21 @@ def _row(name: str, s: Samples, cp: Samples, tensors: int) -> str:
     rest = seconds - opened - compiled
     return (
         f"| {name} | {seconds:.3f} s | {process:.3f} s | {seconds / cp.median('seconds'):.2f}x "
-        f"| {process / cp.median('process'):.2f}x | {s.median('rss_peak'):,.0f} MiB "
+        f"| {process / cp.median('process'):.2f}x | {s.median('cpu'):.3f} s "
+        f"| {s.median('rss_peak'):,.0f} MiB "
         f"| {grown:.2f} KiB | {opened:.3f} / {compiled:.3f} / {rest:.3f} s |"
+    )
+
+
+def _floor(s: Samples, cp: Samples) -> str:
+    """What the operation's CPU time alone allows: spread perfectly over every core, the
+    least wall time it could take, as a ratio to cp's."""
+    cores = os.cpu_count() or 1
+    least = s.median("cpu") / cores
+    return (
+        f"weightmap's CPU time alone (user + system, {s.median('cpu'):.3f} s), spread perfectly "
+        f"over the {cores} cores, would take {least:.3f} s: {least / cp.median('seconds'):.2f}x "
+        "cp's whole run, before any wait on the disk."
     )
 
 
@@ -96,6 +113,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="a src/ tree to run as the before column")
+    p.add_argument("--baseline-name", help="what the report calls the before tree (its commit)")
     p.add_argument("--workdir", type=Path, help="scratch folder (default: a temporary one)")
     p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args()
@@ -126,21 +144,26 @@ def main() -> None:
         f"{args.tensors:,} bf16 [32, 64] tensors in {args.shards} shards, "
         f"{nbytes / 1e9:.2f} GB, every tensor renamed; medians of {args.repeat} runs, each a "
         "fresh process, interleaved, warm page cache"
-        + (f"; **before** imports weightmap from `{args.baseline}`" if args.baseline else "")
+        + (
+            f"; **before** imports weightmap from `{args.baseline_name or args.baseline}`"
+            if args.baseline
+            else ""
+        )
         + f". `python {HERE.name}/bench_many.py` ({time.strftime('%Y-%m-%d')}, "
         f"{os.uname().machine}, {os.cpu_count()} cores).",
         "",
-        "| tool | operation | whole process | operation / cp | process / cp | peak RSS "
-        "| RSS grown per tensor | open / compile / the rest |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tool | operation | whole process | operation / cp | process / cp "
+        "| CPU (user + system) | peak RSS | RSS grown per tensor | open / compile / the rest |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in samples.items():
         if s.failures:
-            lines.append(f"| {name} | failed: {s.failures[0]} | | | | | | |")
+            lines.append(f"| {name} | failed: {s.failures[0]} | | | | | | | |")
         elif name == "cp -r + fsync":
             lines.append(
                 f"| {name} | {s.median('seconds'):.3f} s | {s.median('process'):.3f} s "
-                f"| 1.00x | 1.00x | {s.median('rss_peak'):,.1f} MiB | | |"
+                f"| 1.00x | 1.00x | {s.median('cpu'):.3f} s | {s.median('rss_peak'):,.1f} MiB "
+                "| | |"
             )
         else:
             lines.append(_row(name, s, cp, args.tensors))
@@ -153,6 +176,10 @@ def main() -> None:
         "through these stages as columns (names, dtypes, shapes, offsets), with no object made per "
         "tensor: what is left is the per-tensor work of the Python that reads, matches and "
         "writes the names, most of it before the first byte is copied.",
+        "",
+        "**CPU** is the operation's user and system time (cp's: the cp process's; the kernel "
+        "threads that write dirty pages back to the disk are counted for neither). "
+        + ("" if samples["weightmap"].failures else _floor(samples["weightmap"], cp)),
     ]
     text = "\n".join(lines) + "\n"
     print(text)
