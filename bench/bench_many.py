@@ -31,7 +31,7 @@ import struct
 import time
 from pathlib import Path
 
-from common import HERE, scratch
+from common import command_line, scratch
 from jobs import SOURCES, Launcher, Runner, Samples
 from sections import write_section
 
@@ -149,7 +149,7 @@ def main() -> None:
             if args.baseline
             else ""
         )
-        + f". `python {HERE.name}/bench_many.py` ({time.strftime('%Y-%m-%d')}, "
+        + f". `{command_line('bench_many.py', p, args)}` ({time.strftime('%Y-%m-%d')}, "
         f"{os.uname().machine}, {os.cpu_count()} cores).",
         "",
         "| tool | operation | whole process | operation / cp | process / cp "

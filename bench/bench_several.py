@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import scratch
+from common import command_line, scratch
 from jobs import Launcher, Runner, Samples
 from sections import write_section
 
@@ -287,7 +287,7 @@ def main() -> None:
         f"{nbytes / 1e9:.2f} GB of PyTorch pickles. Medians of {args.repeat} runs, each a fresh "
         "process, interleaved, warm page cache; peak RSS is the process's `ru_maxrss` (`cp`: "
         "its VmHWM). The preset's output is checked equal, bit for bit, to write_model's. "
-        f"`python bench/{Path(__file__).name}` ({time.strftime('%Y-%m-%d')}, "
+        f"`{command_line(Path(__file__).name, p, args)}` ({time.strftime('%Y-%m-%d')}, "
         f"{os.uname().machine}, {os.cpu_count()} cores; {setup / 60:.0f} min with setup).",
         "",
         *_table(ranks, "cp -r + fsync"),

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints import warm
-from common import HERE, scratch
+from common import command_line, scratch
 from jobs import SOURCES, Launcher, Runner, Samples
 from sections import write_section
 
@@ -143,6 +143,7 @@ def main() -> None:
     p.add_argument("--no-write", action="store_true", help="print the section only")
     p.add_argument("--in-a-row", action="store_true", help="runs of one kind in a row")
     args = p.parse_args()
+    args.said = command_line("bench_write.py", p, args)  # (how the report says it was run)
     if args.in_a_row:
         in_a_row(args)
         return
@@ -203,7 +204,7 @@ def main() -> None:
                 if args.baseline is not None
                 else ""
             )
-            + f"). `python {HERE.name}/bench_write.py` ({time.strftime('%Y-%m-%d')}, "
+            + f"). `{args.said}` ({time.strftime('%Y-%m-%d')}, "
             f"{os.uname().machine}, {os.cpu_count()} cores).",
             "",
             *tables,
@@ -245,7 +246,7 @@ def in_a_row(args: argparse.Namespace) -> None:
             "written, fsynced), each way of writing run "
             f"{args.repeat + 1} times in a row, in the order of the rows, a fresh process each, "
             "warm page cache for the input, no settling write. "
-            f"`python {HERE.name}/bench_write.py --in-a-row` ({time.strftime('%Y-%m-%d')}, "
+            f"`{args.said}` ({time.strftime('%Y-%m-%d')}, "
             f"{os.uname().machine}, {os.cpu_count()} cores).",
             "",
             "| writes | first run | the runs after it |",

@@ -6,6 +6,7 @@ starts its job launcher before numpy, torch or weightmap are loaded, see ``jobs.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -48,3 +49,23 @@ def scratch(prefix: str, workdir: Path | None) -> Path:
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))
+
+
+# Options a report does not repeat in its command line: where scratch files went, whether the
+# report was written, and which tree ran as the baseline (a local path; the report names it).
+_UNSAID = frozenset({"workdir", "no_write", "baseline", "baseline_name", "help"})
+
+
+def command_line(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``python bench/SCRIPT`` with the options this run gave other than their defaults (the
+    number of runs among them), for a report to say how its figures were made."""
+    words = [f"python {HERE.name}/{script}"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in _UNSAID:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None or value is False:
+            continue
+        option = max(action.option_strings, key=len)
+        words.append(option if value is True else f"{option} {value}")
+    return " ".join(words)
