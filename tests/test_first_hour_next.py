@@ -3,6 +3,7 @@ command line as a new user meets it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -218,13 +219,25 @@ def test_version_and_ray_address_help() -> None:
     assert "the Ray cluster's address" in " ".join(r.stdout.split())
 
 
-@pytest.mark.parametrize(
-    "command", ["convert", "plan", "inspect", "diff", "check", "invert", "clean"]
-)
+def _commands() -> list[str]:
+    """Every subcommand the CLI has, as its parser lists them."""
+    from weightmap.cli import _parser
+
+    (sub,) = (a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+def test_every_command_is_asked_for_examples() -> None:
+    assert {"convert", "plan", "inspect", "diff", "presets", "check", "invert", "clean"} <= set(
+        _commands()
+    )
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_help_has_examples(command: str) -> None:
     r = run(command, "--help")
     assert r.returncode == 0
-    assert re.search(rf"^examples:\n  weightmap {command} ", r.stdout, re.M), r.stdout
+    assert re.search(rf"^examples:\n  weightmap {command}\b", r.stdout, re.M), r.stdout
 
 
 def test_did_you_mean_for_a_tensor_pattern(tmp_path: Path) -> None:

@@ -72,6 +72,12 @@ def _err(message: str) -> None:
     print(printable(message), file=sys.stderr)
 
 
+_SET_HELP = (
+    "set a mapping parameter (VALUE is JSON if it parses, else a string; a param whose default "
+    'is a string takes VALUE as typed: --set version=3 gives "3")'
+)
+
+
 def _params(items: Sequence[str] | None, rules: Mapping | None = None) -> dict[str, Any]:
     """``--set KEY=VALUE`` pairs; a VALUE that parses as JSON is taken as JSON, else a string.
 
@@ -638,7 +644,7 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
         "--set",
         action="append",
         metavar="KEY=VALUE",
-        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+        help=_SET_HELP,
     )
     _input_arg(p)
 
@@ -814,7 +820,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="the checkpoint to compare it with")
     p.set_defaults(func=_cmd_diff)
 
-    p = add_parser("presets", help="list presets, or show one")
+    p = add_parser(
+        "presets",
+        help="list presets, or show one",
+        epilog=_examples(
+            "weightmap presets",
+            "weightmap presets eagle3-sglang",
+            "weightmap presets --for ./llama",
+        ),
+    )
     p.add_argument("name", nargs="?", help="a preset to show: its text, parameters and refusals")
     p.add_argument(
         "--for",
@@ -844,7 +858,7 @@ def _parser() -> argparse.ArgumentParser:
         "--set",
         action="append",
         metavar="KEY=VALUE",
-        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+        help=_SET_HELP,
     )
     _input_arg(p)
     _allow_code_arg(p)
@@ -865,7 +879,7 @@ def _parser() -> argparse.ArgumentParser:
         "--set",
         action="append",
         metavar="KEY=VALUE",
-        help="set a mapping parameter (VALUE is JSON if it parses, else a string)",
+        help=_SET_HELP,
     )
     p.set_defaults(func=_cmd_invert)
 
