@@ -45,6 +45,9 @@ def test_params_override_and_type_check() -> None:
     # In JSON's words: "got None" said nothing to whoever typed --set p=null.
     with pytest.raises(MappingError, match=r"got null \(with --set the value is read"):
         compile_text(text, p=None)
+    counted = 'param n = 3\nrename "a.weight" -> "{n}.a"\nkeep "b.weight"\n'
+    with pytest.raises(MappingError, match="param 'n' takes an int like its default 3"):
+        compile_text(counted, n="x")
 
 
 def test_param_conditional_blocks() -> None:

@@ -145,7 +145,7 @@ class _Compiler:
                 got = "null" if value is None else f"the {type_name(value)} {json.dumps(value)}"
                 self.report(
                     self.mapping.param_locs[name],
-                    f"param {name!r} takes a {type_name(values[name])} like its default"
+                    f"param {name!r} takes {_a(type_name(values[name]))} like its default"
                     f" {default[:80]}, got {got[:80]}"
                     f" (with --set the value is read as JSON: --set '{name}={default[:80]}')",
                 )
@@ -631,3 +631,8 @@ def _edit_config(
     except (TypeError, ValueError) as err:  # pragma: no cover - configs come from JSON
         raise MappingError(f"the output config is not JSON: {err}") from None
     return out_config
+
+
+def _a(noun: str) -> str:
+    """The noun with its indefinite article: "an int", "a string"."""
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
