@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import weightmap
 from weightmap import CheckpointError, MappingError
@@ -344,3 +345,113 @@ def test_a_destination_name_too_long_for_its_temporary_is_refused_up_front(
     short = tmp_path / ("o" * 150)
     weightmap.remap(ckpt, short, mapping=KEEP)
     assert (short / "model.safetensors").is_file()
+
+
+# -- weight files found by name that link out of their folder ----------------------------------
+
+
+def _secret(tmp_path: Path) -> Path:
+    """A private checkpoint outside the downloaded folder: what a link must not reach."""
+    from safetensors.torch import save_file as save_torch
+
+    private = tmp_path / "home" / "private"
+    private.mkdir(parents=True)
+    save_torch({"secret.weight": torch.arange(8, dtype=torch.float32)}, private / "m.safetensors")
+    torch.save({"secret.weight": torch.arange(4, dtype=torch.float32)}, private / "m.pth")
+    return private
+
+
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "w.pth"]
+)
+def test_a_weight_file_found_by_name_that_links_out_is_refused(tmp_path: Path, name: str) -> None:
+    # A downloaded folder whose one weight file is a link to another checkpoint (the user's
+    # private one): converting it would publish that checkpoint under the folder's name.
+    private = _secret(tmp_path)
+    target = private / ("m.safetensors" if name.endswith(".safetensors") else "m.pth")
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    (folder / name).symlink_to(os.path.relpath(target, folder))
+    with pytest.raises(CheckpointError) as info:
+        weightmap.Checkpoint.open(folder)
+    assert info.value.rule == "shard-escape"
+    assert "leaves the checkpoint's folder" in str(info.value) and str(target) in str(info.value)
+    out = tmp_path / "out"
+    r = _run("convert", str(folder), str(out), "--mapping", KEEP)
+    assert r.returncode == 1 and "[shard-escape]" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_a_weight_file_linked_within_its_folder_or_into_hub_blobs_is_read(
+    tmp_path: Path, example: Path
+) -> None:
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    shutil.copy(example / "model.safetensors", inside / "real.safetensors")
+    (inside / "model.safetensors").symlink_to("real.safetensors")
+    assert weightmap.Checkpoint.open(inside).tensors
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("a" * 40)
+    blobs = tmp_path / "hub" / "models--org--name" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    shutil.copy(example / "model.safetensors", blobs / "0123abcd")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/0123abcd")
+    assert weightmap.Checkpoint.open(snapshot).tensors
+    assert weightmap.Checkpoint.open(snapshot / "model.safetensors").tensors
+
+
+def test_a_file_given_as_a_link_out_of_its_folder_says_to_give_the_file(tmp_path: Path) -> None:
+    private = _secret(tmp_path)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(private / "m.safetensors")
+    with pytest.raises(CheckpointError) as info:
+        weightmap.Checkpoint.open(link)
+    assert info.value.rule == "shard-escape" and "give the path it points to" in str(info.value)
+    assert weightmap.Checkpoint.open(private / "m.safetensors").tensors
+
+
+@pytest.mark.parametrize("member", ["part.1.safetensors", "part.1.pth", "part.1.d"])
+def test_a_family_member_that_links_out_is_refused(
+    tmp_path: Path, example: Path, member: str
+) -> None:
+    private = _secret(tmp_path)
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    shutil.copy(example / "model.safetensors", folder / "part.0.safetensors")
+    target = {
+        "part.1.safetensors": private / "m.safetensors",
+        "part.1.pth": private / "m.pth",
+        "part.1.d": private,  # a member folder, linked out
+    }[member]
+    (folder / member).symlink_to(os.path.relpath(target, folder))
+    mapping = (
+        'weightmap 1\ninput ranks files "part.{rank}.*"\n'
+        'rename "ranks:{r:int}:{x*}" -> "{x}.r{r}"\n'
+    )
+    out = tmp_path / "out"
+    r = _run("convert", str(folder), str(out), "--mapping", mapping)
+    assert r.returncode == 1 and "[shard-escape]" in r.stderr and member in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_overwrite_never_replaces_a_hub_snapshot_that_is_the_input(
+    tmp_path: Path, example: Path
+) -> None:
+    # The snapshot's files are links into blobs/: where they lead is outside the destination,
+    # but the folder their names are in is the destination itself.
+    repo = tmp_path / "hub" / "models--org--name"
+    snapshot, blobs = repo / "snapshots" / ("a" * 40), repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, name in enumerate(["model.safetensors", "config.json", "tokenizer.json"]):
+        source = example / name if (example / name).exists() else None
+        blob = blobs / f"b{i}"
+        if source is None:
+            blob.write_text("{}")
+        else:
+            shutil.copy(source, blob)
+        (snapshot / name).symlink_to(f"../../blobs/b{i}")
+    before = sorted((p.name, os.readlink(p)) for p in snapshot.iterdir())
+    r = _run("convert", str(snapshot), str(snapshot), "--mapping", RENAME, "--overwrite")
+    assert r.returncode == 1 and "the destination holds the input" in r.stderr, r.stderr
+    assert sorted((p.name, os.readlink(p)) for p in snapshot.iterdir()) == before

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import weightmap
+from races import swap_after_check
 from weightmap.errors import CheckpointError, ExecutionError
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.sidefiles import list_side_files
@@ -45,28 +46,10 @@ def secret(tmp_path: Path) -> Path:
     return path
 
 
-def _swap_after_check(monkeypatch: pytest.MonkeyPatch, victim: Path, target: Path) -> list[Path]:
-    """Turn ``victim`` into a link to ``target`` right after its name is first resolved (the
-    check), before anything opens it; returns the list the swap is recorded in."""
-    real_resolve = Path.resolve
-    swapped: list[Path] = []
-
-    def racing(self: Path, strict: bool = False) -> Path:
-        out = real_resolve(self, strict)
-        if self == victim and not swapped:
-            victim.unlink()
-            victim.symlink_to(target)
-            swapped.append(victim)
-        return out
-
-    monkeypatch.setattr(Path, "resolve", racing)
-    return swapped
-
-
 def test_config_swapped_for_a_link_after_its_check_is_never_read(
     ckpt: Path, secret: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    swapped = _swap_after_check(monkeypatch, ckpt / "config.json", secret)
+    swapped = swap_after_check(monkeypatch, ckpt / "config.json", secret)
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(ckpt)
     assert swapped and info.value.rule == "changed"
@@ -76,7 +59,7 @@ def test_config_swapped_for_a_link_after_its_check_is_never_read(
 def test_a_swapped_config_never_reaches_the_output(
     ckpt: Path, secret: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _swap_after_check(monkeypatch, ckpt / "config.json", secret)
+    swap_after_check(monkeypatch, ckpt / "config.json", secret)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=r"changed while it was opened.*\[changed\]"):
         weightmap.remap(ckpt, out, mapping=KEEP_ALL, progress=False)
@@ -87,7 +70,7 @@ def test_config_from_swapped_for_a_link_is_never_read(
     ckpt: Path, secret: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (ckpt / "params.json").write_text('{"dim": 8}')
-    _swap_after_check(monkeypatch, ckpt / "params.json", secret)
+    swap_after_check(monkeypatch, ckpt / "params.json", secret)
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(ckpt, config_name="params.json")
     assert info.value.rule == "changed"
@@ -103,7 +86,7 @@ def test_an_index_swapped_for_a_link_is_never_read(
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps({"weight_map": {}, "leak": "c2VjcmV0"}))
-    _swap_after_check(monkeypatch, ckpt / "model.safetensors.index.json", elsewhere)
+    swap_after_check(monkeypatch, ckpt / "model.safetensors.index.json", elsewhere)
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(ckpt)
     assert info.value.rule == "changed"

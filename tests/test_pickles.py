@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import weightmap
+from races import swap_after_check
 from weightmap.errors import CheckpointError
+from weightmap.inputs import opening
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.diff import diff_checkpoints
 
@@ -357,18 +359,25 @@ def test_an_indexed_shard_swapped_for_a_link_after_its_check_is_never_read(
     (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     outside = tmp_path / "someone-elses.bin"
     torch.save({"a": torch.full((2,), 7.0)}, outside)
-    real_resolve = Path.resolve
-    swapped: list[Path] = []
-
-    def racing(self: Path, strict: bool = False) -> Path:
-        out = real_resolve(self, strict)
-        if self == shard and not swapped:  # right after the name was checked
-            shard.unlink()
-            shard.symlink_to(outside)
-            swapped.append(shard)
-        return out
-
-    monkeypatch.setattr(Path, "resolve", racing)
+    swapped = swap_after_check(monkeypatch, shard, outside)  # (right after the name's check)
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(src)
-    assert swapped and info.value.rule == "link-escape"
+    # (Refused by whichever check sees the link first: the weight file's own, or the open's.)
+    assert swapped and info.value.rule in ("shard-escape", "link-escape")
+
+
+def test_a_shard_swapped_for_a_link_between_the_opens_check_and_the_open_is_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap after every check by name, as the open resolves the path it then opens: the
+    open follows no link on that path, and says the file changed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shard = src / "pytorch_model.bin"
+    torch.save({"a": torch.ones(2)}, shard)
+    outside = tmp_path / "someone-elses.bin"
+    torch.save({"a": torch.full((2,), 7.0)}, outside)
+    swapped = swap_after_check(monkeypatch, shard, outside, opening, "resolve_path")
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open(src)
+    assert swapped and info.value.rule == "changed"

@@ -25,7 +25,7 @@ from weightmap.compiler.pattern import compile_pattern
 from weightmap.errors import CheckpointError, MappingError
 from weightmap.format.names import CONFIG_NAME
 from weightmap.fs.cancel import CancelToken
-from weightmap.inputs.checkpoint import Checkpoint
+from weightmap.inputs.checkpoint import Checkpoint, refuse_escape
 from weightmap.inputs.join import join
 from weightmap.inputs.opening import read_folder_json
 from weightmap.inputs.resolve import ResolvedInput
@@ -139,7 +139,12 @@ def _members(folder: Path, decl: A.InputDecl) -> list[tuple[int, Path]]:
             path=folder,
             rule="layout",
         )
-    return [(rank, folder / name) for rank, name in _ranked(os.listdir(folder), decl, folder)]
+    members = [(rank, folder / name) for rank, name in _ranked(os.listdir(folder), decl, folder)]
+    for _rank, path in members:
+        # A member is an entry of the folder: a link (to a file or a folder) that leaves it
+        # would read another checkpoint's weights as this family's.
+        refuse_escape(folder, path)
+    return members
 
 
 def _ranked(names: Iterable[str], decl: A.InputDecl, folder: str | Path) -> list[tuple[int, str]]:

@@ -158,7 +158,10 @@ def check_destination(
     one that holds a file of ``protect`` (the input), exists without ``overwrite``, is no
     folder, cannot be removed, or whose parent is no folder."""
     for p in protect:
-        if is_within(Path(p), dest):
+        # The file where it leads, and the folder its name is in: a hub cache snapshot's
+        # files are links into blobs/, and replacing the snapshot deletes the input all the
+        # same.
+        if is_within(Path(p), dest) or is_within(Path(p).parent, dest):
             raise OutputExistsError(
                 f"{dest}: the destination holds the input ({p}); choose another folder "
                 "(in-place mode rewrites headers without a destination)"

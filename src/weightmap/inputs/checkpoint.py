@@ -50,6 +50,7 @@ __all__ = [
     "TensorLocation",
     "check_torch_shape",
     "leaves_folder",
+    "refuse_escape",
     "resolve_shard",
 ]
 
@@ -93,21 +94,31 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
             rule="shard-name",
         )
     path = root / name
+    refuse_escape(root, path, listed_in)
+    return path
+
+
+def refuse_escape(root: Path, path: Path, listed_in: Path | None = None) -> None:
+    """Refuse (``shard-escape``) the weight file ``path`` of folder ``root`` where it is a link
+    that leaves the folder (see :func:`leaves_folder`); the error names ``listed_in`` (the
+    index that names the file), or the file itself."""
     try:
         outside = leaves_folder(root, path)
     except OSError as err:  # e.g. a name longer than the file system allows
         raise CheckpointError(
-            f"{what} names shard {name[:80]!r}: {err.strerror}",
-            path=listed_in,
+            f"shard {path.name[:80]!r} cannot be resolved ({err.strerror})",
+            path=listed_in or path,
             rule="shard-name",
         ) from None
     if outside is not None:
         raise CheckpointError(
-            f"shard {name!r} is a link that leaves the checkpoint's folder (to {outside})",
-            path=listed_in,
+            f"shard {path.name!r} is a link that leaves the checkpoint's folder (to {outside}); "
+            "weightmap reads a checkpoint's weights from its own folder only: copy what it "
+            "points to into the folder (or, for a checkpoint of one file, give the path it "
+            "points to)",
+            path=listed_in or path,
             rule="shard-escape",
         )
-    return path
 
 
 def leaves_folder(root: Path, path: Path) -> Path | None:
@@ -529,10 +540,15 @@ class Checkpoint:
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
         for f in files:
             header: Header
+            # Whatever found it (an index, the folder's usual names, the caller), a weight
+            # file that is a link must stay in its folder, or lead into the hub cache's blobs:
+            # a downloaded folder's model.safetensors linked to a private checkpoint elsewhere
+            # would otherwise be converted into an output its user may publish.
+            refuse_escape(root, f)
             kind = "pytorch" if is_pickle(f) else sniff(f)  # (by its bytes, whatever its name)
             if kind == "pytorch":
-                # A shard an index names must stay in the folder, as it is opened too.
-                header, loaded[f] = read_pickle(f, root if index_path is not None else None)
+                # Checked again as it is opened, on the path that is opened.
+                header, loaded[f] = read_pickle(f, root)
             else:
                 refuse_foreign(f, kind)
                 header = read_header(f)
