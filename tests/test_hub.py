@@ -641,3 +641,51 @@ drop "ranks:**"
     plan = weightmap.compile("org/llama", mapping=mapping)
     assert [o.name for o in plan.outputs] == ["output.weight"]
     assert "ranks.json" in [call[0] for call in asked]
+
+
+def _remember(cache: Path, revision: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
+    """The code a download of a branch or tag runs after it: the ref of ``revision`` written
+    for a snapshot of the cache (the download itself left out). Returns the repo folder and
+    the commit."""
+    from weightmap.inputs.hub import HubRepo
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--org--name"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    h = HubRepo(f"org/name@{revision}")
+    h.commit = commit  # (what the Hub said the revision names)
+    h._remember_revision(snapshot)
+    return repo, commit
+
+
+def test_a_ref_is_written_in_refs_under_its_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, commit = _remember(tmp_path / "cache", "release/v1", monkeypatch)
+    assert (repo / "refs" / "release" / "v1").read_text() == commit
+    assert sorted(p.name for p in (repo / "refs").rglob("*")) == ["release", "v1"]
+
+
+def test_a_ref_is_never_written_through_a_planted_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a shared cache another user plants links where the ref's temporary file used to be
+    # (its name was the pid's), at a ref itself, and at a folder on a ref's way.
+    cache = tmp_path / "cache"
+    victim = tmp_path / "home" / ".bashrc"
+    victim.parent.mkdir(parents=True)
+    victim.write_text("the victim's own file\n")
+    refs = cache / "models--org--name" / "refs"
+    refs.mkdir(parents=True)
+    (refs / f"main.{os.getpid()}.weightmap.tmp").symlink_to(victim)
+    repo, commit = _remember(cache, "main", monkeypatch)
+    assert victim.read_text() == "the victim's own file\n"
+    assert (repo / "refs" / "main").read_text() == commit and not (refs / "main").is_symlink()
+    (refs / "tag").symlink_to(victim)  # (a link at the ref itself: never written through)
+    _remember(cache, "tag", monkeypatch)
+    assert victim.read_text() == "the victim's own file\n"
+    (refs / "release").symlink_to(victim.parent)  # (a link on the way: nothing made past it)
+    _remember(cache, "release/v1", monkeypatch)
+    assert sorted(p.name for p in victim.parent.iterdir()) == [".bashrc"]

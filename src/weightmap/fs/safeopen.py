@@ -20,11 +20,20 @@ resolves the name, checks where it leads, and opens the resolved path with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
 
-__all__ = ["FD_PATH", "fd_path", "kind", "open_resolved", "read_bounded", "regular"]
+__all__ = [
+    "FD_PATH",
+    "fd_path",
+    "kind",
+    "open_folder",
+    "open_resolved",
+    "read_bounded",
+    "regular",
+]
 
 # Linux names every open descriptor of the process here; opening the name opens the same
 # file again, whatever its old name points to by now.
@@ -38,19 +47,38 @@ def open_resolved(resolved: Path) -> int:
     Raises ``OSError``: ``ELOOP``/``ENOTDIR`` where a part of the path is a link now,
     ``ENOENT`` where it is gone.
     """
-    parts = resolved.parts
+    fd = open_folder(resolved.parent)
+    try:
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(resolved.name, flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_folder(resolved: Path, make: tuple[str, ...] = ()) -> int:
+    """A descriptor of the folder ``resolved`` (no links in it, as ``resolve`` made it), or
+    of its subfolder ``make`` (made where missing, a part at a time), opened one folder at a
+    time without following a link anywhere: for the ``*at`` calls (``dir_fd=``) that create
+    or rename files in it.
+
+    Raises ``OSError`` as :func:`open_resolved` does.
+    """
     # O_PATH (Linux): a folder one may pass through but not list (mode 0711) opens too.
     walk = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+    parts = resolved.parts
     fd = os.open(parts[0], walk)
     try:
-        for part in parts[1:-1]:
+        for made, part in [(False, p) for p in parts[1:]] + [(True, p) for p in make]:
+            if made:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=fd)
             child = os.open(part, walk | os.O_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = child
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-        return os.open(parts[-1], flags, dir_fd=fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def kind(mode: int) -> str:

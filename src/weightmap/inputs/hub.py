@@ -21,6 +21,7 @@ import difflib
 import itertools
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from weightmap.errors import CheckpointError
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
 from weightmap.fs.cancel import CancelToken
-from weightmap.fs.safeopen import kind, read_bounded
+from weightmap.fs.safeopen import kind, open_folder, read_bounded
 from weightmap.inputs.checkpoint import ADAPTER_NAMES, PICKLE_INDEX, PICKLE_SINGLE
 from weightmap.inputs.opening import opened, read_folder_json
 from weightmap.inputs.sidefiles import (
@@ -393,18 +394,28 @@ class HubRepo:
         commit = self.commit
         if commit is None or self.revision == commit or folder.name != commit:
             return
-        ref = folder.parent.parent / "refs" / self.revision
+        *folders, name = self.revision.split("/")
         with contextlib.suppress(OSError, CheckpointError):
             if self._read_ref(folder.parent.parent, self.revision) == commit:
                 return
-            ref.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ref.with_name(f"{ref.name}.{os.getpid()}.weightmap.tmp")
+            # In a shared cache another user may plant a link at any name in refs/: the
+            # folders are made and entered without following one, and the file is created
+            # under a name nobody can guess (never through a link), then renamed over the ref
+            # (which replaces a link there rather than writing through it).
+            refs = open_folder(resolve_path(folder.parent.parent), ("refs", *folders))
             try:
-                tmp.write_text(commit)
-                os.replace(tmp, ref)
+                tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.weightmap.tmp"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o644, dir_fd=refs)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(commit)
+                    os.replace(tmp, name, src_dir_fd=refs, dst_dir_fd=refs)
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=refs)
             finally:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+                os.close(refs)
 
     def checkpoint_files(
         self, files: dict[str, int], config_name: str, folder: str = ""
