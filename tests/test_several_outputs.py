@@ -247,6 +247,12 @@ def test_bad_declarations(small: Path, decl: str, message: str) -> None:
         ('rename "norm" -> "out:norm"', r'without a rank and a tensor name: write "out:RANK:NAME"'),
         ('copy "norm" -> "out:*:norm", "out:0:norm"', "is written twice"),
         ('rename "norm" -> "out:0:norm"', r"member rank01.safetensors \(rank 1\) gets no tensor"),
+        # The member's own name is its header's key: "__metadata__" would be read as metadata.
+        (
+            'copy "norm" -> "out:0:__metadata__", "out:1:norm"',
+            r"'out:0:__metadata__': the member's tensor name is reserved by safetensors",
+        ),
+        ('copy "norm" -> "out:*:__metadata__"', r"the member's tensor name is reserved"),
     ],
 )
 def test_bad_family_names(small: Path, rules: str, message: str) -> None:

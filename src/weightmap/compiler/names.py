@@ -6,7 +6,8 @@ writes whatever the mapping says as long as a file can hold it and a reader can 
 Refused, each for a reason a user can act on:
 
 - the empty name (nothing can load or address it);
-- ``__metadata__`` (the header's reserved key: it would be read as metadata);
+- ``__metadata__`` (the header's reserved key: it would be read as metadata), as a whole name
+  or as the name a family member's file holds (``out:0:__metadata__``, see outputs.py);
 - control characters (``\\n``, ``\\x00``...): valid JSON, but no real checkpoint has them, they
   corrupt logs and listings, and they almost always mean a template went wrong;
 - lone surrogates (not UTF-8: the header could not be written);

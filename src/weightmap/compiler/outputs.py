@@ -14,6 +14,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 
+from weightmap.compiler.names import bad_name
 from weightmap.compiler.ops import RuleProblem, as_int, evaluate
 from weightmap.format.names import SINGLE_NAME
 from weightmap.language import ast as A
@@ -88,6 +89,11 @@ def place(
                 f'tensor name: write "{family.name}:RANK:NAME", or "{family.name}:*:NAME" for '
                 "every rank",
             )
+            wrong = True
+            continue
+        why = bad_name(rest)
+        if why is not None:  # (the member's own name: "__metadata__" there is the header's key)
+            report(out.origin, f"output {out.name[:80]!r}: the member's tensor name {why}")
             wrong = True
             continue
         if rank_text == "*":
