@@ -1470,3 +1470,43 @@ def test_a_side_file_that_cannot_be_read_says_so_not_changed(
     monkeypatch.setattr(sidefiles, "open_resolved", denied)
     with pytest.raises(CheckpointError, match=r"make it readable.*\[side-file\]"):
         sidefiles.open_side_file(ckpt, "tokenizer.json", 2)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        '"{p}.{i}"',  # a param: rendered through the scope
+        '"{x}.{i}"',  # captures only (made long by a literal): the bulk path
+    ],
+)
+def test_an_output_name_too_long_is_refused_as_it_is_made(tmp_path: Path, template: str) -> None:
+    # A 1 KB mapping whose names render 64 KB each: refused only once every output was made,
+    # a checkpoint of a few thousand tensors held gigabytes of names first.
+    from safetensors.numpy import save_file as save_np
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    save_np(
+        {f"layers.{i}.w": np.zeros(1, np.float32) for i in range(400)}, folder / "model.safetensors"
+    )
+    big = "x" * 1024
+    params = [f'param p0 = "{big}"'] + [f"param p{k} = p{k - 1} + p{k - 1}" for k in range(1, 7)]
+    literal = "y" * 65536 if "{x}" in template else ""
+    mapping = "\n".join(
+        [
+            "weightmap 1",
+            *params,
+            "param p = p6",
+            f'rename "{{x:layers}}.{{i:int}}.w" -> {template[:-1]}{literal}"',
+        ]
+    )
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(weightmap.MappingError, match="is longer than 1024 characters"):
+            weightmap.compile(folder, mapping=mapping)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20  # 400 names of 64 KB held: 26 MB and more

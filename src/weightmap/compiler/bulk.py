@@ -18,6 +18,7 @@ from itertools import starmap
 from operator import attrgetter, methodcaller
 from typing import cast
 
+from weightmap.compiler.names import MAX_NAME_CHARS
 from weightmap.compiler.ops import tensor_namer
 from weightmap.compiler.route import Router
 from weightmap.errors import LocatedProblem
@@ -120,6 +121,8 @@ def bulk_renames(
                 quick = positional[k]
                 if quick is not None:
                     new = quick(*found.groups())
+                    if len(new) > MAX_NAME_CHARS:
+                        return None  # (the working set refuses it, as it makes each name)
                 else:
                     try:
                         new = render(spec, captures[k](found))
@@ -194,6 +197,8 @@ def _one_alternative(
         quick = positional[k]
         if quick is None:
             return None
+        if not _fits(quick, found, names):
+            return None  # (the loop makes the names one by one, refusing a long one)
         new_names = starmap(quick, map(_GROUPS, found))
         # As TensorSpec.named makes each: the inputs' dtypes, shapes and known sizes.
         specs = sized_specs(count, new_names, dtypes, shapes, map(_KNOWN_SIZE, inputs))
@@ -247,6 +252,8 @@ def _table_alternative(
             quick = positional[k]
             if quick is None:
                 return None
+            if not _fits(quick, found, names[start : start + _SLICE]):
+                return None  # (the loop makes the names one by one, refusing a long one)
             made += starmap(quick, map(_GROUPS, found))
     if k < 0:
         return None
@@ -267,6 +274,14 @@ _SHAPE = attrgetter("shape")
 _LASTINDEX = attrgetter("lastindex")
 _KNOWN_SIZE = attrgetter("_nbytes")  # (None where not yet counted, as TensorSpec.named keeps)
 _GROUPS = methodcaller("groups")
+
+
+def _fits(quick: Callable[..., str], found: Sequence[re.Match[str]], names: Sequence[str]) -> bool:
+    """Whether every name ``quick`` makes of these matches is short enough to be an output's,
+    known before any is made: each hole prints a part of its input's name, so the template
+    with the longest input name in every hole is as long as the longest name it can make."""
+    widest = "x" * max(map(len, names))
+    return len(quick(*[widest] * len(found[0].groups()))) <= MAX_NAME_CHARS
 
 
 def _positional(template: A.Template, groups: Mapping[str, int]) -> Callable[..., str] | None:

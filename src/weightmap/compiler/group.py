@@ -24,12 +24,12 @@ from weightmap.compiler.ops import (
     as_int,
     as_ints,
     evaluate,
+    namer,
     norm_dim,
     template_names,
 )
 from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
-from weightmap.language.expr import compile_template
 from weightmap.language.values import Scope, show
 from weightmap.plan.nodes import Concat, Node, Same, Stack
 
@@ -178,7 +178,7 @@ def build_group(
             groups.setdefault(key_of(m.caps), {})[member(m)] = m
     if sum(map(len, groups.values())) != len(matches):
         _refuse_shared_slots(members, matches, groups, report)
-    tmpl = compile_template(rule.outputs[0])
+    tmpl = namer(rule.outputs[0])
     ranks = _family_size(rule, members, scope)
     for key, by_member in groups.items():
         caps = dict(zip(members.key, key, strict=True))

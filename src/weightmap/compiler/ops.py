@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from weightmap.compiler.names import MAX_NAME_CHARS
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import DTYPES, TensorSpec, numel
 from weightmap.language import ast as A
@@ -202,11 +203,26 @@ MAX_PARTS = 4096
 
 
 def namer(t: A.Template) -> Callable[[Scope], str]:
-    """The compiled renderer of a template, compiled once (keyed by identity, kept alive)."""
+    """The compiled renderer of an output name's template, compiled once (keyed by identity,
+    kept alive); a name past ``MAX_NAME_CHARS`` is refused as it is made."""
     hit = _TEMPLATES.get(id(t))
     if hit is None or hit[0] is not t:
-        hit = _TEMPLATES[id(t)] = (t, compile_template(t))
+        render = compile_template(t)
+
+        def checked(scope: Scope) -> str:
+            return short_enough(render(scope))
+
+        hit = _TEMPLATES[id(t)] = (t, checked)
     return hit[1]
+
+
+def short_enough(name: str) -> str:
+    """``name``, or a ``RuleProblem`` where it is longer than any output name may be: refused
+    as each is made, not once every output is (a template that renders 400 KB per tensor would
+    otherwise hold gigabytes for a checkpoint of a few thousand tensors)."""
+    if len(name) > MAX_NAME_CHARS:
+        raise RuleProblem(f"output name {name[:80]!r} is longer than {MAX_NAME_CHARS} characters")
+    return name
 
 
 def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str, Any]], str]:
@@ -228,7 +244,7 @@ def tensor_namer(t: A.Template, scope: Scope) -> Callable[[TensorSpec, dict[str,
 
     def from_captures(spec: TensorSpec, caps: dict[str, Any]) -> str:
         try:
-            return fmt.format_map(caps)
+            return short_enough(fmt.format_map(caps))
         except KeyError:  # a hole that is no capture: a param
             return render(scope.with_tensor(spec, caps))
 
