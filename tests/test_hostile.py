@@ -1510,3 +1510,62 @@ def test_an_output_name_too_long_is_refused_as_it_is_made(tmp_path: Path, templa
     finally:
         tracemalloc.stop()
     assert peak < 16 * 2**20  # 400 names of 64 KB held: 26 MB and more
+
+
+@pytest.mark.parametrize(
+    ("pattern", "loose"),
+    [
+        ("{a*}{b*}{c*}#", "{a*}, {b*}, {c*}"),  # twelve of them took minutes on a short name
+        ("{a*}.{b*}.{c*}.w", "{a*}, {b*}, {c*}"),
+        ("{a}_{b}_{c}_x", "{a}, {b}, {c}"),  # within one segment
+        ("**.{a}{n:int}{b:x,xx}.{c*}.w", "**, {a}, {n:int}, {b:x,xx}, {c*}"),
+    ],
+)
+def test_a_pattern_whose_match_can_take_a_power_of_the_name_is_refused(
+    pattern: str, loose: str
+) -> None:
+    with pytest.raises(MappingSyntaxError) as info:
+        weightmap.load_mapping(f'weightmap 1\nrename "{pattern}" -> "x"\nunmatched keep\n')
+    assert f"parts that can each end in more than one place ({loose})" in str(info.value)
+    assert "hint: at most 2" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "model.layers.{n}.{rest*}",  # a segment before a dot ends at the dot
+        "{x*}.weight",
+        "**.q_proj.weight",
+        "verifier_**",  # the last part ends at the name's end
+        "*.weight",
+        "layers.{i:int}.w",
+        "{prefix*}.layers.{i:int}.{rest*}",
+        "{a*}.{b*}.weight",  # two: at most the square of a name's length
+        "{x*}.{p}_proj.weight",
+        "model.layers.{n}.mlp.experts.{e}.{w:gate_proj,up_proj,down_proj}.weight",
+    ],
+)
+def test_the_patterns_mappings_use_are_not_refused(pattern: str) -> None:
+    weightmap.load_mapping(f'weightmap 1\nkeep "{pattern}"\nunmatched keep\n')
+
+
+def test_file_patterns_count_their_parts_at_slashes(tmp_path: Path) -> None:
+    # In a side-file pattern `*` and `{x}` stop at `/`, not at dots.
+    weightmap.load_mapping('weightmap 1\nunmatched keep\nfiles {\n  drop "**/*.md"\n}\n')
+    with pytest.raises(MappingSyntaxError, match="3 parts that can each end"):
+        weightmap.load_mapping('weightmap 1\nunmatched keep\nfiles {\n  drop "{a}.{b}.{c}.md"\n}\n')
+
+
+def test_an_input_name_no_output_may_have_is_never_matched(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file as save_np
+
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    long = "." * 2000 + "w"
+    save_np(
+        {long: np.zeros(1, np.float32), "b": np.zeros(1, np.float32)}, folder / "model.safetensors"
+    )
+    with pytest.raises(weightmap.MappingError) as info:
+        weightmap.compile(folder, mapping='weightmap 1\ndrop "{a*}.{b*}.weight"\nunmatched keep\n')
+    assert "1 input tensor name(s) longer than 1,024 characters" in str(info.value)
+    assert "2,001 characters" in str(info.value)

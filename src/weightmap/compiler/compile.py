@@ -26,7 +26,7 @@ from weightmap.compiler.configedit import apply_config_block
 from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
-from weightmap.compiler.names import check_names
+from weightmap.compiler.names import MAX_NAME_CHARS, check_names
 from weightmap.compiler.ops import Match, build_simple, dtype_known, tensor_namer
 from weightmap.compiler.outputs import check_member_files, families, place
 from weightmap.compiler.pattern import compile_pattern
@@ -105,6 +105,23 @@ class _Compiler:
                     f"input `{spec.name}` appears twice in the headers",
                 )
             seen.add(spec.name)
+
+    def check_input_names(self) -> None:
+        """Refuse input names longer than any output may be, before a pattern is matched
+        against them: a pattern costs up to the square of a name's length to match (see
+        language/syntax.py), and such a name could only ever be dropped."""
+        names = self._input_names
+        if not names or max(map(len, names)) <= MAX_NAME_CHARS:
+            return
+        long = [n for n in names if len(n) > MAX_NAME_CHARS]
+        self.report(
+            A.Loc(self.mapping.name, 1, 1),
+            f"{len(long)} input tensor name(s) longer than {MAX_NAME_CHARS:,} characters, the "
+            f"longest an output may have (the first, {len(long[0]):,} characters: "
+            f"{long[0][:80]!r}...): no real checkpoint names a tensor so; weightmap does not "
+            "match patterns against such names",
+        )
+        raise CompileError(self.problems.grouped(), self.mapping.name)
 
     def exists(self, pattern: A.Pattern) -> bool:
         if isinstance(pattern, A.FilePattern):
@@ -257,6 +274,7 @@ def _compile(
 ) -> Plan:
     _check_arguments(params, config)
     c = _Compiler(mapping, inputs, config, files)
+    c.check_input_names()
     c.check_unique_inputs()
     values = c.params(params)
     declared = [d.name for d in mapping.inputs]

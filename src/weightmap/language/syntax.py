@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from lark import Token, Tree
@@ -76,8 +77,9 @@ def _in_string_error(source: str, loc: A.Loc, offset: int, msg: str, hint: str) 
     syntax_error(source, A.Loc(loc.file, loc.line, loc.col + 1 + offset), msg, hint)
 
 
-def parse_pattern(text: str, loc: A.Loc, source: str = "") -> A.Pattern:
-    """Parse a tensor-name pattern; ``loc`` is the position of its opening quote."""
+def parse_pattern(text: str, loc: A.Loc, source: str = "", sep: str = ".") -> A.Pattern:
+    """Parse a tensor-name pattern (``sep="/"``: a side-file pattern, whose ``*`` and ``{x}``
+    stop at ``/``); ``loc`` is the position of its opening quote."""
     parts: list[A.PatPart] = []
     names: set[str] = set()
     for kind, piece, off in _holes(text, loc, source):
@@ -127,7 +129,67 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "") -> A.Pattern:
                 )
             names.add(part.name)
         parts.append(part)
+    loose = loose_parts(parts, sep)
+    if len(loose) > MAX_LOOSE_PARTS:
+        shown = ", ".join(_shown(part) for part in loose)
+        _in_string_error(
+            source,
+            loc,
+            0,
+            f"pattern has {len(loose)} parts that can each end in more than one place "
+            f"({shown}): trying every way to place them takes time that grows as a name's "
+            f"length to the power {len(loose)}",
+            f"at most {MAX_LOOSE_PARTS}: make the others stop where a literal begins, e.g. "
+            "{x} (one segment) instead of {x*}, with a dot after it",
+        )
     return A.Pattern(text=text, parts=tuple(parts), loc=loc)
+
+
+# A pattern is matched by backtracking (Python's re): each part that can end in several
+# places multiplies the ways tried when a name does not match, so k of them cost up to
+# len(name) ** k. Two keep a name of 1,024 characters to milliseconds (the cap on input
+# names, see compiler/compile.py); a 100-byte pattern of twelve took minutes on a short name.
+MAX_LOOSE_PARTS = 2
+
+
+def loose_parts(parts: Sequence[A.PatPart], sep: str) -> list[A.PatPart]:
+    """The parts of a pattern that can end in more than one place, for a name it is matched
+    against: all but the last of ``**`` and ``{x*}``; ``*``, ``{x}`` and ``{x:int}`` where
+    what follows could go on them (``{x}`` before a dot ends at the dot, ``{n:int}`` before a
+    letter at the last digit); alternatives where one is a prefix of another."""
+    loose: list[A.PatPart] = []
+    for i, part in enumerate(parts):
+        after = parts[i + 1] if i + 1 < len(parts) else None
+        if isinstance(part, str):
+            continue
+        if isinstance(part, A.Alt) or (isinstance(part, A.Capture) and part.kind == "alt"):
+            alts = part.alts
+            if any(a != b and b.startswith(a) for a in alts for b in alts):
+                loose.append(part)
+            continue
+        if after is None:
+            continue  # (the name's end is where it ends)
+        if (isinstance(part, A.Glob) and part.multi) or (
+            isinstance(part, A.Capture) and part.kind == "multi"
+        ):
+            loose.append(part)
+        elif isinstance(part, A.Capture) and part.kind == "int":
+            if not isinstance(after, str) or after[0].isdigit():
+                loose.append(part)
+        elif not isinstance(after, str) or not after.startswith(sep):
+            loose.append(part)
+    return loose
+
+
+def _shown(part: A.PatPart) -> str:
+    if isinstance(part, A.Glob):
+        return "**" if part.multi else "*"
+    if isinstance(part, A.Alt):
+        return "{" + ",".join(part.alts) + "}"
+    assert isinstance(part, A.Capture)
+    if part.kind == "alt":
+        return "{" + part.name + ":" + ",".join(part.alts) + "}"
+    return "{" + part.name + {"multi": "*", "int": ":int"}.get(part.kind, "") + "}"
 
 
 def parse_template(text: str, loc: A.Loc, source: str = "") -> A.Template:
@@ -183,7 +245,7 @@ class _Builder:
         return parse_pattern(self.string(tok), self.loc(tok), self.text)
 
     def file_pattern(self, tok: Token) -> A.FilePattern:
-        p = self.pattern(tok)
+        p = parse_pattern(self.string(tok), self.loc(tok), self.text, sep="/")
         return A.FilePattern(text=p.text, parts=p.parts, loc=p.loc)
 
     def template(self, tok: Token) -> A.Template:
