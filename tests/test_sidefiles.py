@@ -201,6 +201,11 @@ files {
         ('drop "LICENSE"', 'pattern "LICENSE" matches no side file (write `drop?` if that is '),
         ('drop "READMe.md"', "did you mean 'README.md'?"),
         ('rename "README.md" -> "config.json"', "is written by the conversion itself"),
+        # A folder under such a name could not be made beside that file: refused when
+        # planning, not once every tensor is written.
+        ('add "config.json/x.txt" = "x"', "is inside a folder named 'config.json', the name"),
+        ('rename "README.md" -> "model.safetensors/README.md"', "folder named 'model.safetensors'"),
+        ('add "a/model.safetensors.index.json/x" = "x"', "named 'a/model.safetensors.index.json'"),
         ('rename "README.md" -> "../README.md"', "has an empty, `.` or `..` component"),
         (
             'rename "*.json" -> "same.json"',

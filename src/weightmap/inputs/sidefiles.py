@@ -128,6 +128,15 @@ def bad_file_name(name: str) -> str | None:
         return "is reserved for weightmap's own files"
     if replaced_reason(name) in ("config", "weights", "index"):
         return "is written by the conversion itself (config.json, weights and indexes)"
+    for depth in range(1, len(parts)):
+        # A folder under such a name could not be made beside the file of that name: the
+        # writer would fail once every tensor is written.
+        folder = "/".join(parts[:depth])
+        if replaced_reason(folder) in ("config", "weights", "index"):
+            return (
+                f"is inside a folder named {folder!r}, the name of a file the conversion "
+                "writes itself (config.json, weights and indexes)"
+            )
     return None
 
 
