@@ -332,7 +332,7 @@ def test_inplace_rename_checks_every_shard_before_the_first_write(
         stuck.chmod(0o644)
     from weightmap.execute import inplace
 
-    monkeypatch.setattr(inplace, "_replay", lambda root, journal: None)  # killed right here
+    monkeypatch.setattr(inplace, "_replay", lambda root, journal, folder: None)  # killed right here
     weightmap.remap(root, mapping=_rename_to("x0", "t0"), inplace=True)
     monkeypatch.undo()
     assert (root / JOURNAL_NAME).exists()

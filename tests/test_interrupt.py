@@ -349,10 +349,10 @@ def test_inplace_signal_during_the_replay_lets_it_finish(
     src = _small(tmp_path, 2)
     replay = inplace._replay
 
-    def interrupted(root: Path, journal: inplace.Journal) -> None:
+    def interrupted(root: Path, journal: inplace.Journal, folder: int) -> None:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
-        replay(root, journal)
+        replay(root, journal, folder)
 
     monkeypatch.setattr(inplace, "_replay", interrupted)
     token = CancelToken()
@@ -418,10 +418,10 @@ def test_the_cli_says_an_interrupted_inplace_rename_was_committed(tmp_path: Path
         "import os, signal, sys, time\n"
         "from weightmap.execute import inplace\n"
         "replay = inplace._replay\n"
-        "def interrupted(root, journal):\n"
+        "def interrupted(root, journal, folder):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.05)\n"
-        "    replay(root, journal)\n"
+        "    replay(root, journal, folder)\n"
         "inplace._replay = interrupted\n"
         "from weightmap.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"

@@ -267,3 +267,68 @@ def test_a_shard_swapped_for_a_fifo_is_refused_without_waiting(tmp_path: Path) -
         pytest.fail("read_header waited on a FIFO")
     assert isinstance(outcome[0], FormatError)
     assert "is a FIFO, not a safetensors file [not-a-file]" in str(outcome[0])
+
+
+# -- `clean` writes into the folder it checked ------------------------------------------------
+
+
+def _planted_journal(root: Path) -> None:
+    """A journal in ``root`` (a one-shard checkpoint) whose header renames its first tensor
+    to ``renamed``, as a downloaded folder may carry one."""
+    import base64
+    import json
+    import struct
+
+    raw = (root / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    first = next(k for k in header if k != "__metadata__")
+    header["renamed"] = header.pop(first)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (size - len(new))
+    journal = {
+        "files": {"model.safetensors": base64.b64encode(new).decode()},
+        "index": None,
+        "config": json.dumps({"model_type": "planted"}),
+    }
+    (root / inplace.JOURNAL_NAME).write_text(json.dumps(journal))
+
+
+def test_clean_writes_into_the_folder_it_checked_though_its_name_is_swapped(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another user of a shared folder swaps the planted folder for a link to the victim's
+    # checkpoint once the journal is checked: the writes went by name, through the link.
+    shared, victim = tmp_path / "shared" / "x", tmp_path / "home" / "llama"
+    shutil.copytree(example, shared)
+    shutil.copytree(example, victim)
+    _planted_journal(shared)
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    real = inplace._check_writable
+
+    def swapping(root: Path, *args: object) -> None:
+        real(root, *args)  # type: ignore[arg-type]
+        shared.rename(shared.with_name("x-moved"))
+        shared.symlink_to(victim)
+
+    monkeypatch.setattr(inplace, "_check_writable", swapping)
+    assert inplace.recover(shared)
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+    moved = shared.with_name("x-moved")
+    assert "renamed" in read_header(moved / "model.safetensors").tensors
+    assert '"planted"' in (moved / "config.json").read_text()
+    assert not (moved / inplace.JOURNAL_NAME).exists()
+
+
+def test_clean_never_rewrites_a_shard_with_a_second_name(tmp_path: Path, example: Path) -> None:
+    # A backup made with `cp -al` shares the shard's file: `convert --inplace` refuses such a
+    # shard (inplace-link), and a planted journal must not get it rewritten either.
+    root, backup = tmp_path / "x", tmp_path / "backup"
+    shutil.copytree(example, root)
+    backup.mkdir()
+    os.link(root / "model.safetensors", backup / "model.safetensors")
+    _planted_journal(root)
+    before = (backup / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match=r"has another name \(a hard link\)"):
+        inplace.recover(root)
+    assert (backup / "model.safetensors").read_bytes() == before

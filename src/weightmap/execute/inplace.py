@@ -36,11 +36,13 @@ from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanE
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
 from weightmap.format.text import read_json_file, same_json
-from weightmap.fs.atomic import fsync_dir, temporary_path
+from weightmap.fs.atomic import temporary_path
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.lock import folder_lock
+from weightmap.fs.safeopen import open_folder
 from weightmap.inputs.checkpoint import Checkpoint, resolve_shard
 from weightmap.inputs.opening import read_folder_json
+from weightmap.inputs.sidefiles import resolve_path
 from weightmap.plan.nodes import Source
 from weightmap.plan.plan import Plan
 
@@ -68,28 +70,32 @@ class Journal:
     config: str | None
 
 
-def _replace_small(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` whole or not at all: written and fsynced under a new
-    temporary name, then renamed over it (a link at ``path`` is replaced, not followed).
+def _replace_small(folder: int, name: str, data: bytes) -> None:
+    """Replace the file ``name`` of the folder open as ``folder`` with ``data`` whole or not at
+    all: written and fsynced under a new temporary name, then renamed over it (a link at
+    ``name`` is replaced, not followed).
 
     The temporary file is created, never opened through whatever has its name: a downloaded
     folder may hold links named like our temporaries, pointing at files outside it, and
-    ``weightmap clean`` replays a journal found in such a folder.
+    ``weightmap clean`` replays a journal found in such a folder. Every call is relative to
+    the folder's descriptor: a folder renamed and replaced by a link meanwhile (by another
+    user of a shared folder) does not lead the writes elsewhere.
 
     A regular file replaced keeps its permission bits: a config.json kept private (0600)
     must not come back readable by everyone. A new file (or one in place of a link) gets
     the umask's.
     """
     try:
-        old = os.stat(path, follow_symlinks=False)
+        old = os.stat(name, dir_fd=folder, follow_symlinks=False)
         mode = stat.S_IMODE(old.st_mode) & 0o777 if stat.S_ISREG(old.st_mode) else None
     except OSError:  # absent: a new file
         mode = None
-    tmp = temporary_path(path, "-inplace")
+    tmp = temporary_path(Path(name), "-inplace").name
     # Private until its mode is set: never readable by others for a moment, even when the
     # file it replaces is not.
     create = 0o666 if mode is None else 0o600
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, create)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, create, dir_fd=folder)
     try:
         if mode is not None:
             os.fchmod(fd, mode)
@@ -97,11 +103,28 @@ def _replace_small(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            os.unlink(tmp, dir_fd=folder)
         raise
+
+
+def _open_folder(root: Path) -> int:
+    """The checkpoint's folder, opened once (``fs/safeopen.open_folder``) for every write of
+    an in-place rewrite to go through."""
+    try:
+        return open_folder(resolve_path(root))
+    except OSError as exc:
+        raise ExecutionError(f"{root}: cannot open the folder ({exc.strerror})") from exc
+
+
+def _fsync_folder(folder: int) -> None:
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=folder)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def inplace_headers(plan: Plan, ckpt: Checkpoint) -> dict[Path, bytes]:
@@ -221,15 +244,19 @@ def rewrite_inplace(
         _check_writable(root, work, "rename in place")
         token = cancel or CancelToken()  # (the caller's own: its handlers see the shield)
         token.check("the in-place rename")
-        with token.shielded():
-            try:
-                _replace_small(root / JOURNAL_NAME, json.dumps(journal).encode())
-                fsync_dir(root)
-            except OSError as exc:
-                raise ExecutionError(
-                    f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
-                ) from exc
-            _replay(root, work)
+        folder = _open_folder(root)
+        try:
+            with token.shielded():
+                try:
+                    _replace_small(folder, JOURNAL_NAME, json.dumps(journal).encode())
+                    _fsync_folder(folder)
+                except OSError as exc:
+                    raise ExecutionError(
+                        f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
+                    ) from exc
+                _replay(root, work, folder)
+        finally:
+            os.close(folder)
     return list(headers)
 
 
@@ -303,22 +330,33 @@ def _check_writable(root: Path, journal: Journal, what: str) -> None:
         )
 
 
-def _open_shard_for_header(root: Path, path: Path) -> int:
-    """A shard of ``root``, opened for its header to be written where it is: a link only to a
-    file of the folder itself (as ``check_inplace_source`` allowed), opened by the name it
-    resolved to without following a link, never waiting on a FIFO, and a regular file. A shard
-    swapped for a link to another file (in a shared folder) would have that file written into."""
+def _open_shard_for_header(root: Path, path: Path, folder: int) -> int:
+    """A shard of ``root`` (``path``: where its name resolved to, a file of the folder itself,
+    as the checks before allowed), opened for its header to be written where it is: by its
+    name in the folder open as ``folder``, without following a link, never waiting on a FIFO,
+    a regular file with no other name. A shard swapped for a link to another file (in a shared
+    folder) would have that file written into; one with a second name (a backup made with
+    ``cp -al``) would have that copy changed too."""
     fd, why = -1, None
+    name = path.name
     try:
-        resolved = path.resolve()
-        if resolved.parent != root.resolve():
-            why = f"it is a link out of the folder (to {resolved})"
-        else:
-            fd = os.open(resolved, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, RuntimeError) as exc:  # (RuntimeError: a loop, before Python 3.13)
-        why = f"it cannot be opened ({getattr(exc, 'strerror', None) or 'a loop of links'})"
-    if fd >= 0 and not stat.S_ISREG(os.fstat(fd).st_mode):
-        why = "it is not a regular file"
+        if stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+            # A link to another file of the folder (weights-v2.safetensors) is that file.
+            target = os.readlink(name, dir_fd=folder)
+            if "/" in target or target in (".", ".."):
+                why = f"it is a link out of the folder (to {target})"
+            name = target
+        if why is None:
+            flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=folder)
+    except OSError as exc:
+        why = f"it cannot be opened ({exc.strerror}): it is a link to a link, or gone"
+    if fd >= 0:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            why = "it is not a regular file"
+        elif st.st_nlink != 1:
+            why = f"it has {st.st_nlink} names (hard links): rewriting it would change them all"
     if why is not None:
         if fd >= 0:
             os.close(fd)
@@ -330,9 +368,11 @@ def _open_shard_for_header(root: Path, path: Path) -> int:
     return fd
 
 
-def _replay(root: Path, journal: Journal) -> None:
+def _replay(root: Path, journal: Journal, folder: int) -> None:
+    """Write the journal's headers, index and config, then remove it: every write through
+    ``folder``, the checkpoint's folder opened once."""
     for path, data in journal.files.items():
-        fd = _open_shard_for_header(root, path)
+        fd = _open_shard_for_header(root, path, folder)
         try:
             written = 0
             while written < len(data):
@@ -341,11 +381,11 @@ def _replay(root: Path, journal: Journal) -> None:
         finally:
             os.close(fd)
     if journal.index is not None:
-        _replace_small(root / INDEX_NAME, journal.index.encode())
+        _replace_small(folder, INDEX_NAME, journal.index.encode())
     if journal.config is not None:
-        _replace_small(root / CONFIG_NAME, journal.config.encode("utf-8"))
-    (root / JOURNAL_NAME).unlink()
-    fsync_dir(root)
+        _replace_small(folder, CONFIG_NAME, journal.config.encode("utf-8"))
+    os.unlink(JOURNAL_NAME, dir_fd=folder)
+    _fsync_folder(folder)
 
 
 def _refuse(journal_path: Path, why: str) -> CheckpointError:
@@ -386,6 +426,10 @@ def _journal_header(
     if not str(name).endswith(".safetensors") or not path.is_file():
         raise _refuse(journal_path, f"{shown!r} is not a safetensors shard of this checkpoint")
     resolved = path.resolve()
+    if path.stat().st_nlink != 1:
+        # As `convert --inplace` refuses it (inplace-link): a backup made with `cp -al`
+        # shares the file, and would be rewritten with it.
+        raise _refuse(journal_path, f"{shown!r} has another name (a hard link)")
     if resolved.parent != root.resolve():
         # A hub cache's link into blobs/ reads fine, but an in-place rename never rewrites one
         # (the blob is named by its content, and every revision holding it shares it), so no
@@ -494,7 +538,14 @@ def recover(root: str | os.PathLike[str]) -> bool:
         # (and removed its journal) by the time we hold it.
         if not (folder / JOURNAL_NAME).exists() and not (folder / JOURNAL_NAME).is_symlink():
             return False
-        journal = read_journal(folder)
-        _check_writable(folder, journal, "finish the interrupted rename")
-        _replay(folder, journal)
+        # Opened before the journal is read: what is checked and what is written are in this
+        # folder, even if its name is swapped for a link meanwhile (another user of a shared
+        # folder racing us).
+        held = _open_folder(folder)
+        try:
+            journal = read_journal(folder)
+            _check_writable(folder, journal, "finish the interrupted rename")
+            _replay(folder, journal, held)
+        finally:
+            os.close(held)
     return True
