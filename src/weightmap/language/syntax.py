@@ -129,27 +129,53 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "", sep: str = ".") -> A.
                 )
             names.add(part.name)
         parts.append(part)
-    loose = loose_parts(parts, sep)
-    if len(loose) > MAX_LOOSE_PARTS:
-        shown = ", ".join(_shown(part) for part in loose)
+    steps = match_steps(parts, sep)
+    if steps > MAX_MATCH_STEPS:
+        shown = ", ".join(map(_shown, loose_parts(parts, sep))) or "none"
         _in_string_error(
             source,
             loc,
             0,
-            f"pattern has {len(loose)} parts that can each end in more than one place "
-            f"({shown}): trying every way to place them takes time that grows as a name's "
-            f"length to the power {len(loose)}",
-            f"at most {MAX_LOOSE_PARTS}: make the others stop where a literal begins, e.g. "
-            "{x} (one segment) instead of {x*}, with a dot after it",
+            f"pattern can take up to {steps:,} steps to match a name of {NAME_CHARS:,} "
+            f"characters (at most {MAX_MATCH_STEPS:,}): each of its parts that can end in more "
+            f"than one place ({shown}) multiplies the ways tried, and what comes after them "
+            "is tried each way",
+            "make one of those parts stop where a literal begins, e.g. {x} (one segment) "
+            "instead of {x*}, with a dot after it; or fewer or shorter alternatives",
         )
     return A.Pattern(text=text, parts=tuple(parts), loc=loc)
 
 
-# A pattern is matched by backtracking (Python's re): each part that can end in several
-# places multiplies the ways tried when a name does not match, so k of them cost up to
-# len(name) ** k. Two keep a name of 1,024 characters to milliseconds (the cap on input
-# names, see compiler/compile.py); a 100-byte pattern of twelve took minutes on a short name.
-MAX_LOOSE_PARTS = 2
+# A pattern is matched by backtracking (Python's re): on a name it does not match, each part
+# that can end in several places is tried at each of them, and everything after it once for
+# each. ``match_steps`` bounds that work on the longest name a pattern is matched against
+# (compiler/compile.py refuses longer input names; side-file paths are held to it too). The
+# cap admits two such parts before short literals ("{a*}.{b*}.weight": 8.4 million steps,
+# about 6 ms) and the presets' patterns (at most 1.1 million), and refuses a third
+# ("{a*}{b*}{c}.weight": 1.7 s per name) or a long list of alternatives after two.
+NAME_CHARS = 1024
+MAX_MATCH_STEPS = 2**24
+
+
+def match_steps(parts: Sequence[A.PatPart], sep: str, n: int = NAME_CHARS) -> int:
+    """An upper bound of the steps backtracking takes to match the pattern ``parts`` against
+    a name of ``n`` characters: each part is tried once per way the parts before it can end
+    (``n`` ways for a part of :func:`loose_parts`, one per word for a loose set of
+    alternatives, one otherwise), and a try scans up to ``n`` characters for a wildcard or
+    capture, the words for alternatives, the text for a literal."""
+    loose = {id(part) for part in loose_parts(parts, sep)}
+    steps, ways = 0, 1
+    for part in parts:
+        if isinstance(part, str):
+            scan, ends = len(part), 1
+        elif isinstance(part, A.Alt) or (isinstance(part, A.Capture) and part.kind == "alt"):
+            scan, ends = sum(map(len, part.alts)), len(part.alts)
+        else:
+            scan, ends = n, n
+        steps += ways * max(scan, 1)
+        if id(part) in loose:
+            ways *= ends
+    return steps
 
 
 def loose_parts(parts: Sequence[A.PatPart], sep: str) -> list[A.PatPart]:
