@@ -455,3 +455,34 @@ def test_overwrite_never_replaces_a_hub_snapshot_that_is_the_input(
     r = _run("convert", str(snapshot), str(snapshot), "--mapping", RENAME, "--overwrite")
     assert r.returncode == 1 and "the destination holds the input" in r.stderr, r.stderr
     assert sorted((p.name, os.readlink(p)) for p in snapshot.iterdir()) == before
+
+
+def test_the_temporary_folder_moved_and_replaced_by_a_link_gets_nothing_through_it(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a shared destination folder another user renames the temporary folder while it is
+    # written and puts a link to a folder of yours under its name: the config, index and
+    # side files were written by name, through the link, and the link was moved into place.
+    import weightmap.execute.sidefiles as side
+
+    victim = tmp_path / "home" / "private"
+    victim.mkdir(parents=True)
+    victim.chmod(0o700)
+    real = side.write_side_files
+    moved: list[Path] = []
+
+    def swapping(files, root, folder, progress=None):  # type: ignore[no-untyped-def]
+        tmp = next(p for p in tmp_path.iterdir() if "weightmap-tmp" in p.name)
+        tmp.rename(tmp_path / "elsewhere")
+        tmp.symlink_to(victim)
+        moved.append(tmp)
+        return real(files, root, folder, progress)
+
+    monkeypatch.setattr(side, "write_side_files", swapping)
+    out = tmp_path / "out"
+    with pytest.raises(ExecutionError, match="was moved or replaced while the output was written"):
+        weightmap.remap(ckpt, out, mapping=RENAME, progress=False)
+    assert moved and list(victim.iterdir()) == [] and stat.S_IMODE(victim.stat().st_mode) == 0o700
+    assert not out.exists() and not out.is_symlink()
+    # What was written went into the folder itself, wherever it was moved.
+    assert (tmp_path / "elsewhere" / "model.safetensors").exists()

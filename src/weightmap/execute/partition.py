@@ -137,6 +137,9 @@ class TaskSpec:
     checksum: bool = False
     cost: int = 0
     direct_io: bool = False
+    # Each shard's inode as the driver made it: a task opens the shards by name, and refuses
+    # one that is another file (the temporary folder moved and replaced by a link).
+    shard_inodes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,7 @@ def partition(
         dest=str(writer.dest),
         code=code_digest(),
         shards=tuple(s.filename for s in writer.shards),
+        shard_inodes=writer.shard_inodes(),
         inputs=inputs,
         chunk_bytes=chunk_bytes,
         checksum=checksum,

@@ -50,13 +50,24 @@ class _Shards:
         if shard not in self.fds:
             path = Path(self.spec.folder) / self.spec.shards[shard]
             try:
-                self.fds[shard] = os.open(path, os.O_WRONLY)
+                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise ExecutionError(
                     f"{self.spec.dest}: {path} is not there on {host_name()}: the output must "
                     "be on a filesystem every node mounts at the same path (or the conversion "
                     "was stopped); nothing was written under that name"
                 ) from None
+            inodes = self.spec.shard_inodes
+            if inodes and os.fstat(fd).st_ino != inodes[shard]:
+                # (The inode, not the device: a network filesystem's device number differs
+                # from node to node.)
+                os.close(fd)
+                raise ExecutionError(
+                    f"{self.spec.dest}: {path} on {host_name()} is not the shard the driver "
+                    "made: the temporary folder was moved or replaced (by another user of the "
+                    "folder?); nothing was written under that name"
+                )
+            self.fds[shard] = fd
         return self.fds[shard]
 
     def write(self, name: str, data: bytes | memoryview, offset: int = 0) -> None:

@@ -201,6 +201,10 @@ def check_destination(
         raise ExecutionError(f"{dest.parent}: the destination's parent is not a folder")
 
 
+# A file of the temporary folder: made new, never opened through a link planted there.
+_CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class CheckpointWriter:
     """Write a checkpoint into ``dest`` atomically.
 
@@ -273,6 +277,11 @@ class CheckpointWriter:
         self.defer_headers = False
         self._pending: list[tuple[int, LazyHeader]] = []
         self.tmp: Path | None = None
+        # The temporary folder as opened once made (see _hold_folder): its descriptor, device
+        # and inode, and the path that reaches it through the descriptor.
+        self._folder_fd = -1
+        self._folder_id = (0, 0)
+        self.held = Path()
         self._tmp_mode = 0o700  # the temporary folder's mode as made, given back at commit
         self.committed = False
         # Called with the finished temporary folder just before it is moved into place; an
@@ -310,10 +319,9 @@ class CheckpointWriter:
             # with a group-writable umask, a member of the group could swap one for a link),
             # given back the mode it was made with (umask, default ACL) once complete.
             self.tmp.mkdir()
-            self._tmp_mode = stat.S_IMODE(self.tmp.stat().st_mode)
-            os.chmod(self.tmp, 0o700)
+            self._hold_folder(self.tmp)
             for i, shard in enumerate(self.shards):
-                fd = os.open(self.tmp / shard.filename, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(self.held / shard.filename, _CREATE, 0o644)
                 self._fds.append(fd)
                 if self.defer_headers and isinstance(shard.header, LazyHeader):
                     self._pending.append((fd, shard.header))  # (see write_headers)
@@ -351,10 +359,50 @@ class CheckpointWriter:
             self._clones[number] = by_device[st.st_dev]
             self._src_size[number] = st.st_size
 
+    def shard_inodes(self) -> tuple[int, ...]:
+        """Each shard's inode (a task on another node opens the shards by name, and checks it
+        opened these)."""
+        return tuple(os.fstat(fd).st_ino for fd in self._fds)
+
+    def _hold_folder(self, tmp: Path) -> None:
+        """Open the temporary folder just made, once, and reach it through that descriptor
+        from now on (``held``): in a shared folder another user may rename it and put a link
+        to a folder of yours under its name, which writes by name would then go into."""
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            os.close(fd)
+            raise ExecutionError(f"{tmp}: the temporary folder was replaced as it was made")
+        self._folder_fd, self._folder_id = fd, (st.st_dev, st.st_ino)
+        self._tmp_mode = stat.S_IMODE(st.st_mode)
+        os.fchmod(fd, 0o700)
+        # Linux names the folder itself here, whatever its name has become.
+        self.held = fd_path(fd, tmp)
+
+    def _release_folder(self) -> None:
+        if self._folder_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._folder_fd)
+        self._folder_fd = -1
+
+    def _check_folder(self, tmp: Path) -> None:
+        """Refuse to move ``tmp`` into place unless it is still the folder written: moved and
+        replaced (by a link, say), what is under its name is not this output."""
+        try:
+            st = os.stat(tmp, follow_symlinks=False)
+            same = stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == self._folder_id
+        except OSError:
+            same = False
+        if not same:
+            raise ExecutionError(
+                f"{self.dest}: the temporary folder {tmp.name} was moved or replaced while the "
+                "output was written (by another user of the folder?); nothing was committed"
+            )
+
     def _probe(self, src_fd: int) -> bool:
         assert self.tmp is not None
-        probe = self.tmp / ".clone-probe"
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        probe = self.held / ".clone-probe"
+        fd = os.open(probe, _CREATE, 0o600)
         try:
             return clone(src_fd, 0, fd, 0, _PROBE_BYTES)
         finally:
@@ -378,7 +426,7 @@ class CheckpointWriter:
             # Counted with the rest before the first byte is copied: a disk too small for the
             # side files fails here, not after minutes of tensors.
             assert self.tmp is not None
-            fd = os.open(self.tmp / RESERVE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(self.held / RESERVE_NAME, _CREATE, 0o600)
             try:
                 fallocate(fd, 0, self.reserve_after)
             finally:
@@ -394,8 +442,13 @@ class CheckpointWriter:
                 os.close(fd)
         self._fds.clear()
         self._pending.clear()  # (their descriptors are closed)
-        if self.tmp is not None and self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp is not None and self._folder_fd >= 0:
+            # What is under the name only if it is the folder written (rmtree follows no
+            # link); a folder moved away by someone else is theirs to find.
+            with contextlib.suppress(ExecutionError):
+                self._check_folder(self.tmp)
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        self._release_folder()
         self.tmp = None
 
     # -- data ----------------------------------------------------------------------------------
@@ -450,7 +503,7 @@ class CheckpointWriter:
         def path() -> Path:
             # The very file of the shard's descriptor, not whatever its name holds now.
             assert self.tmp is not None  # (a shard's descriptor exists once open() made it)
-            return fd_path(self._fds[shard], self.tmp / self.shards[shard].filename)
+            return fd_path(self._fds[shard], self.held / self.shards[shard].filename)
 
         self._directs.write(shard, fd, path, data, position)
         self._done(shard, length)
@@ -526,7 +579,7 @@ class CheckpointWriter:
         """Write a small file of the output (``data``: its bytes, or its bytes in parts, made
         as they are written) and fsync it."""
         assert self.tmp is not None
-        fd = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(self.held / name, _CREATE, 0o644)
         try:
             position = 0
             for part in [data] if isinstance(data, bytes) else data:
@@ -595,16 +648,18 @@ class CheckpointWriter:
             for fd in self._fds:
                 os.close(fd)
             self._fds.clear()
-            os.chmod(self.tmp, self._tmp_mode)
-            fsync_dir(self.tmp)
+            os.fchmod(self._folder_fd, self._tmp_mode)
+            os.fsync(self._folder_fd)
             if self.before_move is not None:
-                self.before_move(self.tmp)
+                self.before_move(self.held)
             # (Released by whoever wrote the side files; never part of the output.)
-            (self.tmp / RESERVE_NAME).unlink(missing_ok=True)
+            (self.held / RESERVE_NAME).unlink(missing_ok=True)
+            self._check_folder(self.tmp)
             self._move_into_place(self.tmp)
         except BaseException:
             self.abort()
             raise
+        self._release_folder()
         self.tmp = None
         self.committed = True
         return self.dest
