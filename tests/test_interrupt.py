@@ -510,3 +510,143 @@ def test_the_calling_thread_never_takes_a_future_lock(monkeypatch: pytest.Monkey
     with pytest.raises(_Boom):
         streaming._run_all([failing] + [lambda: time.sleep(0.001)] * 200, 2, CancelToken())
     assert touched == []
+
+
+# -- the move into place is one stretch: a stop seen there waits for it, and says so ----------
+
+
+_SIGNAL_AT = (
+    "import os, signal, sys, time\n"
+    "from weightmap.format import writer\n"
+    "{patch}"
+    "real = writer.CheckpointWriter.{method}\n"
+    "def interrupted(self, *args):\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    time.sleep(0.05)\n"
+    "    return real(self, *args)\n"
+    "writer.CheckpointWriter.{method} = interrupted\n"
+    "from weightmap.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("method", "renameat2"),
+    [
+        ("_remove_old", True),  # the old output being removed, the new one in place
+        ("_remove_old", False),  # (without renameat2: two renames, as on NFS)
+        ("_move_into_place", True),  # before the first rename
+        ("_move_into_place", False),
+    ],
+)
+def test_a_signal_during_the_move_into_place_waits_for_it(
+    tmp_path: Path, method: str, renameat2: bool
+) -> None:
+    # Cut there, an overwrite left the old output under a temporary name (or, between two
+    # plain renames, the destination missing), and said "nothing was committed" of an
+    # output in place.
+    src = _small(tmp_path, 2)
+    out = tmp_path / "out"
+    weightmap.remap(src, out, mapping=_RENAME, progress=False)
+    (out / "old-only.txt").write_text("the old output's\n")
+    patch = "" if renameat2 else "writer.renameat2 = lambda *a: False\n"
+    code = _SIGNAL_AT.format(patch=patch, method=method)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "convert",
+            str(src),
+            str(out),
+            "--overwrite",
+            "--mapping",
+            "weightmap 1\nunmatched keep\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.rstrip().endswith(
+        "weightmap: interrupted after the work was committed; it is complete"
+    ), r.stderr
+    with Checkpoint.open(out) as ckpt:
+        assert sorted(ckpt) == ["layers.0.weight", "layers.1.weight"]  # the new output, whole
+    assert not (out / "old-only.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", src.name])
+
+
+def test_a_cancel_while_the_output_is_verified_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading a large output back took seconds in which a cancel was not looked at, and the
+    # output was committed after it.
+    import weightmap.execute.verify as verify
+
+    src = _small(tmp_path, 4)
+    stop = threading.Event()
+    real = verify.stored_crc
+
+    def slow(*args: Any) -> int:
+        stop.set()  # (asked as the first tensor is read back)
+        return real(*args)
+
+    monkeypatch.setattr(verify, "stored_crc", slow)
+    out = tmp_path / "out"
+    with pytest.raises(weightmap.Cancelled):
+        weightmap.remap(src, out, mapping=_RENAME, verify=True, cancel=stop, progress=False)
+    assert stop.is_set() and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_once_stopped_a_second_signal_is_ignored_not_raised(tmp_path: Path) -> None:
+    # The handlers the command line put back ran a second Ctrl-C waiting during the clean-up
+    # as Python's default: a KeyboardInterrupt traceback, and the second signal's exit code.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are set in the main thread only")
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    token = CancelToken()
+    try:
+        with cli._stop_on_signals(token):
+            token.cancel(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        with cli._stop_on_signals(CancelToken()):
+            pass
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # (what was there before)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def test_connecting_to_ray_keeps_the_command_lines_signal_handlers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ray.init installs sys.exit(15) for SIGTERM: a stopped --ray run exited 15, or was
+    # killed by SIGABRT, without its clean-up.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are set in the main thread only")
+
+    def ours(signum: int, frame: object) -> None:
+        pass
+
+    class FakeRay:
+        initialized = False
+
+        def is_initialized(self) -> bool:
+            return self.initialized
+
+        def init(self, **kwargs: Any) -> None:
+            signal.signal(signal.SIGTERM, lambda *a: sys.exit(15))
+            self.initialized = True
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGTERM, ours)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        assert cluster._connect(FakeRay(), None)  # type: ignore[arg-type]
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

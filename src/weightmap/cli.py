@@ -948,7 +948,10 @@ def _stop_on_signals(token: CancelToken) -> Iterator[None]:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # Once stopped, the command ends with the exit code of the first signal: a later
+            # one (a second Ctrl-C during the clean-up) waiting to be handled must not run
+            # Python's default handler then, which raises a KeyboardInterrupt nothing catches.
+            signal.signal(s, signal.SIG_IGN if token.cancelled else handler)
 
 
 def _interrupted(token: CancelToken) -> int:
@@ -980,7 +983,10 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
             os.close(devnull)
         return 0
     except (KeyboardInterrupt, Cancelled):
-        _err("weightmap: interrupted; nothing was committed")
+        if token.committed:  # (the output went into place before the stop was seen)
+            _err("weightmap: interrupted after the work was committed; it is complete")
+        else:
+            _err("weightmap: interrupted; nothing was committed")
         return _interrupted(token)
     except (UsageError, MappingSyntaxError, MappingError) as exc:
         if debug:

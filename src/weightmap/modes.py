@@ -182,12 +182,18 @@ def _write(
         lambda: plan.output_nbytes() + sum(f.size for f in plan.files),
     )
 
+    token = options.cancel or CancelToken()
+
     def before_commit(folder: Path, stats: ExecutionStats) -> None:
+        token.check()
         write_side_files(plan.files, ckpt.root, folder, tick)
+        token.check()
         if not options.verify:
             return
-        # The finished output, before it is moved into place: a failure commits nothing.
-        problems = check_output(folder, plan, stats.checksums or {}, ckpt.root)
+        # The finished output, before it is moved into place: a failure commits nothing. A
+        # stop asked meanwhile is honoured between tensors (reading back 3 GB takes seconds).
+        problems = check_output(folder, plan, stats.checksums or {}, ckpt.root, token.check)
+        token.check()
         if problems:
             raise ExecutionError(
                 f"{out}: verification failed: {'; '.join(problems[:5])}"

@@ -23,7 +23,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -150,6 +152,13 @@ def _connect(ray: ModuleType, address: str | None) -> bool:
     options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     if not (address or "").startswith("ray://"):  # Ray Client takes no local-cluster options
         options["include_dashboard"] = False  # a new local cluster starts faster without it
+    # ray.init installs its own SIGTERM handler (sys.exit(15)), which would end a stopped
+    # conversion with another code, and skip the clean-up the caller's handler starts.
+    ours = (
+        {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     try:
         ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
@@ -157,6 +166,9 @@ def _connect(ray: ModuleType, address: str | None) -> bool:
         raise ExecutionError(
             f"cannot connect to the Ray cluster at {where}: {redacted(str(exc))}"
         ) from exc
+    finally:
+        for sig, handler in ours.items():
+            signal.signal(sig, handler)
     return True
 
 
@@ -185,16 +197,18 @@ def execute_on_ray(
     ray = _import_ray()
     check_inputs(plan, ckpt)
     check_workers(workers)
-    started = _connect(ray, address)
+    connected = ray.is_initialized()
     try:
+        _connect(ray, address)
         slots = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
 
         def run(tasks: list[TaskSpec], progress: ProgressFn | None) -> list[TaskReport]:
             return _run(ray, tasks, slots, progress, max_retries, str(dest), cancel)
 
-        return execute_tasks(plan, ckpt, dest, run=run, slots=slots, **options)
+        return execute_tasks(plan, ckpt, dest, run=run, slots=slots, cancel=cancel, **options)
     finally:
-        if started:
+        # (Also where a stop came during ray.init: the cluster it was starting goes too.)
+        if not connected and ray.is_initialized():
             ray.shutdown()
 
 

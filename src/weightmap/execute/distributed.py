@@ -29,6 +29,7 @@ from weightmap.execute.streaming import (
 )
 from weightmap.format.layout import Layouts
 from weightmap.format.writer import CheckpointWriter
+from weightmap.fs.cancel import CancelToken
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
@@ -111,6 +112,7 @@ def execute_tasks(
     before_commit: Callable[[Path, ExecutionStats], None] | None = None,
     layout: Layouts = "clone",
     task_cost: int | None = None,
+    cancel: CancelToken | None = None,
 ) -> tuple[CheckpointWriter, ExecutionStats]:
     """Write ``plan`` applied to ``ckpt`` into ``dest`` as tasks that ``run`` runs.
 
@@ -135,6 +137,7 @@ def execute_tasks(
         layout=layout,
     )
     stats = ExecutionStats(checksums={} if checksum else None)
+    writer.token = cancel  # (the move into place is one stretch a stop waits for)
     if before_commit is not None:
         check = before_commit
         writer.before_move = lambda folder: check(folder, stats)

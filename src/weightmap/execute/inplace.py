@@ -255,6 +255,7 @@ def rewrite_inplace(
                         f"{root}: cannot write the journal ({exc.strerror}); nothing was changed"
                     ) from exc
                 _replay(root, work, folder)
+                token.mark_committed()  # (a stop seen after this stops nothing)
         finally:
             os.close(folder)
     return list(headers)

@@ -442,6 +442,7 @@ def execute(
     # made and written as the copies run, with the index (nothing computed writes past the
     # page cache, in blocks a header may share).
     writer.defer_headers = not computed
+    writer.token = cancel  # (the move into place is one stretch a stop waits for)
     try:
         with writer:
             tasks: list[Callable[[], None]] = []

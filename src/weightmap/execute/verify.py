@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,15 +27,22 @@ __all__ = ["check_output", "crc", "differences", "recomputed", "stored_crc"]
 
 
 def check_output(
-    dest: Path, plan: Plan, checksums: Mapping[str, int], files_root: Path | None
+    dest: Path,
+    plan: Plan,
+    checksums: Mapping[str, int],
+    files_root: Path | None,
+    check: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """The tensors and config of ``dest`` against the plan and checksums; its side files
-    against the plan and, given ``files_root``, the input's files."""
+    against the plan and, given ``files_root``, the input's files. ``check()`` is called
+    before each tensor is read back (it raises to stop: reading back a large output takes
+    seconds)."""
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(_open_written(dest, plan))
         fds = stack.enter_context(descriptors())
         make_room(len(ckpt.files))
-        problems = differences(plan, ckpt, checksums, fds)
+        problems = differences(plan, ckpt, checksums, fds, check)
+    check()
     return problems + check_side_files(plan.files, dest, files_root)
 
 
@@ -112,10 +119,15 @@ def stored_crc(ckpt: Checkpoint, name: str, fds: dict[Path, int]) -> int:
 
 
 def differences(
-    plan: Plan, ckpt: Checkpoint, checksums: Mapping[str, int], fds: dict[Path, int]
+    plan: Plan,
+    ckpt: Checkpoint,
+    checksums: Mapping[str, int],
+    fds: dict[Path, int],
+    check: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Names, dtypes, shapes, bytes (against ``checksums``) and config of ``ckpt`` against
-    the plan's outputs: one line per difference."""
+    the plan's outputs: one line per difference (``check()`` called before each tensor's
+    bytes are read)."""
     problems: list[str] = []
     expected = {s.name: s for s in plan.output_specs()}
     found = {s.name: s for s in ckpt.specs()}
@@ -130,6 +142,7 @@ def differences(
                 f"{name!r} is {got.dtype}{list(got.shape)}, planned {spec.dtype}{list(spec.shape)}"
             )
             continue
+        check()
         if spec.nbytes and stored_crc(ckpt, name, fds) != checksums[name]:
             problems.append(f"{name!r} bytes differ from what was written")
     if plan.config is not None and ckpt.config != plan.config:

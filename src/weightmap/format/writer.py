@@ -58,7 +58,7 @@ from weightmap.fs.atomic import (
     stale_temporaries,
     temporary_path,
 )
-from weightmap.fs.cancel import keep_open_elsewhere
+from weightmap.fs.cancel import CancelToken, keep_open_elsewhere
 from weightmap.fs.safeopen import fd_path
 
 __all__ = [
@@ -277,6 +277,9 @@ class CheckpointWriter:
         self.defer_headers = False
         self._pending: list[tuple[int, LazyHeader]] = []
         self.tmp: Path | None = None
+        # The run's token (the executor sets it): the move into place is shielded on it, and
+        # marks it committed.
+        self.token: CancelToken | None = None
         # The temporary folder as opened once made (see _hold_folder): its descriptor, device
         # and inode, and the path that reaches it through the descriptor.
         self._folder_fd = -1
@@ -654,14 +657,21 @@ class CheckpointWriter:
                 self.before_move(self.held)
             # (Released by whoever wrote the side files; never part of the output.)
             (self.held / RESERVE_NAME).unlink(missing_ok=True)
-            self._check_folder(self.tmp)
-            self._move_into_place(self.tmp)
+            # From the first rename to the old output's removal, one stretch that a signal
+            # does not cut (it is honoured once the output is in place): cut between two
+            # renames, an overwrite could leave the destination missing, the old output
+            # stranded under a temporary name, or report an output in place as not committed.
+            with self.token.shielded() if self.token is not None else contextlib.nullcontext():
+                self._check_folder(self.tmp)
+                self._move_into_place(self.tmp)
+                self.committed = True
+                if self.token is not None:
+                    self.token.mark_committed()
         except BaseException:
             self.abort()
             raise
         self._release_folder()
         self.tmp = None
-        self.committed = True
         return self.dest
 
     def _move_into_place(self, tmp: Path) -> None:

@@ -38,6 +38,9 @@ class CancelToken:
         self._lock = threading.Lock()
         # The signal that asked (set by the command line's handlers), for the exit code.
         self.signal: int | None = None
+        # Set once the run's output is in place: a stop asked after that stops nothing, and
+        # must not be reported as "nothing was committed".
+        self._committed = False
 
     def cancel(self, signal: int | None = None) -> None:
         """Ask to stop (``signal``: the signal number that asked, if one did)."""
@@ -67,6 +70,17 @@ class CancelToken:
         shielded stretch)."""
         if self.cancelled and not self.shielding:
             raise Cancelled(f"{what} was cancelled; nothing was committed")
+
+    def mark_committed(self) -> None:
+        """Say the run's output is in place (and so on up to the token this one is of)."""
+        self._committed = True
+        if isinstance(self._source, CancelToken):
+            self._source.mark_committed()
+
+    @property
+    def committed(self) -> bool:
+        """True once :meth:`mark_committed` was called here or on a token of this one."""
+        return self._committed
 
     @property
     def shielding(self) -> bool:
