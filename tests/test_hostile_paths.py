@@ -400,9 +400,35 @@ def test_a_weight_file_linked_within_its_folder_or_into_hub_blobs_is_read(
     assert weightmap.Checkpoint.open(snapshot / "model.safetensors").tensors
 
 
+def test_a_weight_file_linked_into_a_subfolder_of_its_folder_is_read(
+    tmp_path: Path, example: Path
+) -> None:
+    folder = tmp_path / "ck"
+    (folder / "w").mkdir(parents=True)
+    shutil.copy(example / "model.safetensors", folder / "w" / "model.safetensors")
+    (folder / "model.safetensors").symlink_to("w/model.safetensors")
+    assert weightmap.Checkpoint.open(folder).tensors
+
+
+def test_an_inplace_rename_follows_an_absolute_link_to_a_file_of_its_folder(
+    tmp_path: Path, example: Path
+) -> None:
+    # The replay refused any link whose target held a "/", after the journal was written:
+    # the checkpoint was left locked behind it, with a message saying the folder changed.
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    shutil.copy(example / "model.safetensors", folder / "real.safetensors")
+    shutil.copy(example / "config.json", folder / "config.json")
+    (folder / "model.safetensors").symlink_to(folder / "real.safetensors")
+    weightmap.remap(folder, mapping=RENAME, inplace=True)
+    assert not (folder / JOURNAL_NAME).exists()
+    assert "midlayer.self_attn.q_proj.weight" in weightmap.Checkpoint.open(folder).tensors
+
+
 def test_a_file_given_as_a_link_out_of_its_folder_says_to_give_the_file(tmp_path: Path) -> None:
     private = _secret(tmp_path)
-    link = tmp_path / "link.safetensors"
+    (tmp_path / "given").mkdir()
+    link = tmp_path / "given" / "link.safetensors"
     link.symlink_to(private / "m.safetensors")
     with pytest.raises(CheckpointError) as info:
         weightmap.Checkpoint.open(link)

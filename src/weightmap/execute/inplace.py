@@ -339,19 +339,18 @@ def _open_shard_for_header(root: Path, path: Path, folder: int) -> int:
     folder) would have that file written into; one with a second name (a backup made with
     ``cp -al``) would have that copy changed too."""
     fd, why = -1, None
-    name = path.name
     try:
-        if stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
-            # A link to another file of the folder (weights-v2.safetensors) is that file.
-            target = os.readlink(name, dir_fd=folder)
-            if "/" in target or target in (".", ".."):
-                why = f"it is a link out of the folder (to {target})"
-            name = target
-        if why is None:
+        # A link to another file of the folder (weights-v2.safetensors, by any spelling of
+        # its path) is that file: the entry of that name in the folder held, opened without
+        # following a link, whatever the folder's own name leads to by now.
+        resolved = path.resolve()
+        if resolved.parent != root.resolve():
+            why = f"it is a link out of the folder (to {resolved})"
+        else:
             flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            fd = os.open(name, flags, dir_fd=folder)
-    except OSError as exc:
-        why = f"it cannot be opened ({exc.strerror}): it is a link to a link, or gone"
+            fd = os.open(resolved.name, flags, dir_fd=folder)
+    except (OSError, RuntimeError) as exc:  # (RuntimeError: a loop, before Python 3.13)
+        why = f"it cannot be opened ({getattr(exc, 'strerror', None) or 'a loop of links'})"
     if fd >= 0:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

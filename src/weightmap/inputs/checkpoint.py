@@ -139,7 +139,8 @@ def leaves_folder(root: Path, path: Path) -> Path | None:
     real_root = resolve_path(root)
     blobs = cache_blobs(real_root)
     in_cache = blobs is not None and resolved.parent == blobs
-    return None if resolved.parent == real_root or in_cache else resolved
+    # (A link to a file in a subfolder stays in the folder as well.)
+    return None if resolved.is_relative_to(real_root) or in_cache else resolved
 
 
 # torch sizes are signed 64-bit; the format's are u64, so an empty tensor may have a

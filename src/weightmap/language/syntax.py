@@ -150,11 +150,14 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "", sep: str = ".") -> A.
 # that can end in several places is tried at each of them, and everything after it once for
 # each. ``match_steps`` bounds that work on the longest name a pattern is matched against
 # (compiler/compile.py refuses longer input names; side-file paths are held to it too). The
-# cap admits two such parts before short literals ("{a*}.{b*}.weight": 8.4 million steps,
-# about 6 ms) and the presets' patterns (at most 1.1 million), and refuses a third
-# ("{a*}{b*}{c}.weight": 1.7 s per name) or a long list of alternatives after two.
+# cap admits two such parts before literals ("{a*}.{b*}.weight_scale_inv": 9.4 million
+# steps, 7 ms on names built to make it backtrack) and the presets' patterns, and refuses a
+# third ("{a*}{b*}{c}.weight": 1.7 s per name) or a long list of words after two.
 NAME_CHARS = 1024
-MAX_MATCH_STEPS = 2**24
+MAX_MATCH_STEPS = 2**25
+# A literal's try is charged at most this many steps: it fails at the first character that
+# differs, and a name can hold only so many near-misses of it (a long literal is still cheap).
+_LITERAL_STEPS = 8
 
 
 def match_steps(parts: Sequence[A.PatPart], sep: str, n: int = NAME_CHARS) -> int:
@@ -162,14 +165,15 @@ def match_steps(parts: Sequence[A.PatPart], sep: str, n: int = NAME_CHARS) -> in
     a name of ``n`` characters: each part is tried once per way the parts before it can end
     (``n`` ways for a part of :func:`loose_parts`, one per word for a loose set of
     alternatives, one otherwise), and a try scans up to ``n`` characters for a wildcard or
-    capture, the words for alternatives, the text for a literal."""
+    capture, a few per word for alternatives, a few for a literal."""
     loose = {id(part) for part in loose_parts(parts, sep)}
     steps, ways = 0, 1
     for part in parts:
         if isinstance(part, str):
-            scan, ends = len(part), 1
+            scan, ends = min(len(part), _LITERAL_STEPS), 1
         elif isinstance(part, A.Alt) or (isinstance(part, A.Capture) and part.kind == "alt"):
-            scan, ends = sum(map(len, part.alts)), len(part.alts)
+            words = part.alts
+            scan, ends = min(sum(map(len, words)), _LITERAL_STEPS * len(words)), len(words)
         else:
             scan, ends = n, n
         steps += ways * max(scan, 1)
