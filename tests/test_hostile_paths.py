@@ -382,13 +382,15 @@ def test_a_weight_file_found_by_name_that_links_out_is_refused(tmp_path: Path, n
     assert not out.exists()
 
 
+@pytest.mark.parametrize("target", ["real.safetensors", "w/real.safetensors"])
 def test_a_weight_file_linked_within_its_folder_or_into_hub_blobs_is_read(
-    tmp_path: Path, example: Path
+    tmp_path: Path, example: Path, target: str
 ) -> None:
+    # (A file in a subfolder stays in the folder as well.)
     inside = tmp_path / "inside"
-    inside.mkdir()
-    shutil.copy(example / "model.safetensors", inside / "real.safetensors")
-    (inside / "model.safetensors").symlink_to("real.safetensors")
+    (inside / "w").mkdir(parents=True)
+    shutil.copy(example / "model.safetensors", inside / target)
+    (inside / "model.safetensors").symlink_to(target)
     assert weightmap.Checkpoint.open(inside).tensors
     snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("a" * 40)
     blobs = tmp_path / "hub" / "models--org--name" / "blobs"
@@ -398,16 +400,6 @@ def test_a_weight_file_linked_within_its_folder_or_into_hub_blobs_is_read(
     (snapshot / "model.safetensors").symlink_to("../../blobs/0123abcd")
     assert weightmap.Checkpoint.open(snapshot).tensors
     assert weightmap.Checkpoint.open(snapshot / "model.safetensors").tensors
-
-
-def test_a_weight_file_linked_into_a_subfolder_of_its_folder_is_read(
-    tmp_path: Path, example: Path
-) -> None:
-    folder = tmp_path / "ck"
-    (folder / "w").mkdir(parents=True)
-    shutil.copy(example / "model.safetensors", folder / "w" / "model.safetensors")
-    (folder / "model.safetensors").symlink_to("w/model.safetensors")
-    assert weightmap.Checkpoint.open(folder).tensors
 
 
 def test_an_inplace_rename_follows_an_absolute_link_to_a_file_of_its_folder(
