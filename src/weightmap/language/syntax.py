@@ -25,6 +25,7 @@ from weightmap.language import ast as A
 from weightmap.language import grammar
 from weightmap.language.functions import FUNCTIONS
 from weightmap.language.hints import lark_error, syntax_error
+from weightmap.language.unparse import pattern_text
 
 __all__ = ["LANGUAGE_VERSION", "parse_pattern", "parse_template", "parse_text", "syntax_error"]
 
@@ -131,7 +132,7 @@ def parse_pattern(text: str, loc: A.Loc, source: str = "", sep: str = ".") -> A.
         parts.append(part)
     steps = match_steps(parts, sep)
     if steps > MAX_MATCH_STEPS:
-        shown = ", ".join(map(_shown, loose_parts(parts, sep))) or "none"
+        shown = ", ".join(pattern_text((part,)) for part in loose_parts(parts, sep)) or "none"
         _in_string_error(
             source,
             loc,
@@ -209,17 +210,6 @@ def loose_parts(parts: Sequence[A.PatPart], sep: str) -> list[A.PatPart]:
         elif not isinstance(after, str) or not after.startswith(sep):
             loose.append(part)
     return loose
-
-
-def _shown(part: A.PatPart) -> str:
-    if isinstance(part, A.Glob):
-        return "**" if part.multi else "*"
-    if isinstance(part, A.Alt):
-        return "{" + ",".join(part.alts) + "}"
-    assert isinstance(part, A.Capture)
-    if part.kind == "alt":
-        return "{" + part.name + ":" + ",".join(part.alts) + "}"
-    return "{" + part.name + {"multi": "*", "int": ":int"}.get(part.kind, "") + "}"
 
 
 def parse_template(text: str, loc: A.Loc, source: str = "") -> A.Template:
