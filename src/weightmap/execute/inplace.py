@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import errno
 import json
 import os
@@ -36,7 +35,7 @@ from weightmap.errors import CheckpointError, ExecutionError, FormatError, PlanE
 from weightmap.format.header import MAX_HEADER_SIZE, parse_header, read_header
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME
 from weightmap.format.text import read_json_file, same_json
-from weightmap.fs.atomic import temporary_path
+from weightmap.fs.atomic import replace_at
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.lock import folder_lock
 from weightmap.fs.safeopen import open_folder
@@ -68,46 +67,6 @@ class Journal:
     files: dict[Path, bytes]
     index: str | None
     config: str | None
-
-
-def _replace_small(folder: int, name: str, data: bytes) -> None:
-    """Replace the file ``name`` of the folder open as ``folder`` with ``data`` whole or not at
-    all: written and fsynced under a new temporary name, then renamed over it (a link at
-    ``name`` is replaced, not followed).
-
-    The temporary file is created, never opened through whatever has its name: a downloaded
-    folder may hold links named like our temporaries, pointing at files outside it, and
-    ``weightmap clean`` replays a journal found in such a folder. Every call is relative to
-    the folder's descriptor: a folder renamed and replaced by a link meanwhile (by another
-    user of a shared folder) does not lead the writes elsewhere.
-
-    A regular file replaced keeps its permission bits: a config.json kept private (0600)
-    must not come back readable by everyone. A new file (or one in place of a link) gets
-    the umask's.
-    """
-    try:
-        old = os.stat(name, dir_fd=folder, follow_symlinks=False)
-        mode = stat.S_IMODE(old.st_mode) & 0o777 if stat.S_ISREG(old.st_mode) else None
-    except OSError:  # absent: a new file
-        mode = None
-    tmp = temporary_path(Path(name), "-inplace").name
-    # Private until its mode is set: never readable by others for a moment, even when the
-    # file it replaces is not.
-    create = 0o666 if mode is None else 0o600
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, create, dir_fd=folder)
-    try:
-        if mode is not None:
-            os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=folder)
-        raise
 
 
 def _open_folder(root: Path) -> int:
@@ -248,7 +207,7 @@ def rewrite_inplace(
         try:
             with token.shielded():
                 try:
-                    _replace_small(folder, JOURNAL_NAME, json.dumps(journal).encode())
+                    replace_at(folder, JOURNAL_NAME, json.dumps(journal).encode())
                     _fsync_folder(folder)
                 except OSError as exc:
                     raise ExecutionError(
@@ -381,9 +340,9 @@ def _replay(root: Path, journal: Journal, folder: int) -> None:
         finally:
             os.close(fd)
     if journal.index is not None:
-        _replace_small(folder, INDEX_NAME, journal.index.encode())
+        replace_at(folder, INDEX_NAME, journal.index.encode())
     if journal.config is not None:
-        _replace_small(folder, CONFIG_NAME, journal.config.encode("utf-8"))
+        replace_at(folder, CONFIG_NAME, journal.config.encode("utf-8"))
     os.unlink(JOURNAL_NAME, dir_fd=folder)
     _fsync_folder(folder)
 

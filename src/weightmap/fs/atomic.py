@@ -10,6 +10,7 @@ containers of one machine, each with its own pids.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -20,6 +21,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "removal_problem",
     "remove_path",
     "renameat2",
+    "replace_at",
     "stale_temporaries",
     "temporaries",
     "temporary_path",
@@ -96,6 +99,46 @@ def temporary_path(dest: Path, suffix: str = "") -> Path:
     """A fresh temporary sibling of ``dest``, named as ``temporaries`` reads it:
     ``.<dest>.weightmap-tmp-<owner>-<random><suffix>``."""
     return dest.with_name(f".{dest.name}{TMP_MARKER}{owner_tag()}-{secrets.token_hex(4)}{suffix}")
+
+
+def replace_at(folder: int, name: str, data: bytes) -> None:
+    """Replace the file ``name`` of the folder open as ``folder`` with ``data`` whole or not at
+    all: written and fsynced under a new temporary name, then renamed over it (a link at
+    ``name`` is replaced, not followed).
+
+    The temporary file is created, never opened through whatever has its name: a downloaded
+    folder (or a shared cache) may hold links named like our temporaries, pointing at files
+    outside it, and ``weightmap clean`` replays a journal found in such a folder. Every call
+    is relative to the folder's descriptor: a folder renamed and replaced by a link meanwhile
+    (by another user of a shared folder) does not lead the writes elsewhere.
+
+    A regular file replaced keeps its permission bits: a config.json kept private (0600)
+    must not come back readable by everyone. A new file (or one in place of a link) gets
+    the umask's.
+    """
+    try:
+        old = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        mode = stat.S_IMODE(old.st_mode) & 0o777 if stat.S_ISREG(old.st_mode) else None
+    except OSError:  # absent: a new file
+        mode = None
+    tmp = temporary_path(Path(name), "-new").name
+    # Private until its mode is set: never readable by others for a moment, even when the
+    # file it replaces is not.
+    create = 0o666 if mode is None else 0o600
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, create, dir_fd=folder)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
 
 
 def temporaries(folder: Path, dest_name: str | None = None) -> list[tuple[Path, str | None]]:

@@ -21,7 +21,6 @@ import difflib
 import itertools
 import os
 import re
-import secrets
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from urllib.parse import urlsplit
 from weightmap.errors import CheckpointError
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
+from weightmap.fs.atomic import replace_at
 from weightmap.fs.cancel import CancelToken
 from weightmap.fs.safeopen import kind, open_folder, read_bounded
 from weightmap.inputs.checkpoint import ADAPTER_NAMES, PICKLE_INDEX, PICKLE_SINGLE
@@ -399,21 +399,11 @@ class HubRepo:
             if self._read_ref(folder.parent.parent, self.revision) == commit:
                 return
             # In a shared cache another user may plant a link at any name in refs/: the
-            # folders are made and entered without following one, and the file is created
-            # under a name nobody can guess (never through a link), then renamed over the ref
-            # (which replaces a link there rather than writing through it).
+            # folders are made and entered without following one, and the ref is replaced
+            # as replace_at replaces a file (never written through a link).
             refs = open_folder(resolve_path(folder.parent.parent), ("refs", *folders))
             try:
-                tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.weightmap.tmp"
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(tmp, flags, 0o644, dir_fd=refs)
-                try:
-                    with os.fdopen(fd, "w") as f:
-                        f.write(commit)
-                    os.replace(tmp, name, src_dir_fd=refs, dst_dir_fd=refs)
-                finally:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=refs)
+                replace_at(refs, name, commit.encode())
             finally:
                 os.close(refs)
 
