@@ -121,7 +121,7 @@ def replace_at(folder: int, name: str, data: bytes) -> None:
         mode = stat.S_IMODE(old.st_mode) & 0o777 if stat.S_ISREG(old.st_mode) else None
     except OSError:  # absent: a new file
         mode = None
-    tmp = temporary_path(Path(name), "-new").name
+    tmp = temporary_path(Path(name), "-inplace").name
     # Private until its mode is set: never readable by others for a moment, even when the
     # file it replaces is not.
     create = 0o666 if mode is None else 0o600
