@@ -69,12 +69,16 @@ def _chattr(flag: str, *paths: Path) -> None:
 
 
 @pytest.fixture
-def immutable() -> Iterator[list[Path]]:
-    """Paths the test makes immutable; made mutable again whatever happens."""
+def immutable(tmp_path: Path) -> Iterator[list[Path]]:
+    """Paths the test makes immutable; made mutable again whatever happens, and so is the
+    whole of ``tmp_path``: a file made immutable may have been moved since (an overwrite moves
+    the old output under a temporary name), and pytest could not remove it."""
     made: list[Path] = []
     yield made
     for p in made:
         subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+    if made:
+        subprocess.run(["chattr", "-R", "-i", str(tmp_path)], capture_output=True)
 
 
 # ---------------------------------------------------------------- 1. clean writes outside
