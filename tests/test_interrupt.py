@@ -650,3 +650,67 @@ def test_connecting_to_ray_keeps_the_command_lines_signal_handlers(
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+# ------------------------------------------------------------ a Ctrl-C before the command runs
+
+# Importing the command line raises KeyboardInterrupt, as Python's default SIGINT handler does
+# when Ctrl-C comes while the interpreter imports it (before weightmap has any handler).
+_CTRL_C_AT_IMPORT = (
+    "import sys\n"
+    "class CtrlC:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'weightmap.cli':\n"
+    "            raise KeyboardInterrupt\n"
+    "sys.meta_path.insert(0, CtrlC())\n"
+    "from weightmap.__main__ import main\n"
+    "sys.exit(main())\n"
+)
+
+
+def test_ctrl_c_while_the_command_line_is_imported_ends_quietly(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AT_IMPORT, "presets"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip() == "weightmap: interrupted before it started; nothing was done"
+    assert r.stdout == ""
+
+
+def test_ctrl_c_while_the_arguments_are_parsed_ends_quietly(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from weightmap import cli\n"
+        "def parser():\n"
+        "    raise KeyboardInterrupt\n"
+        "cli._parser = parser\n"
+        "from weightmap.__main__ import main\n"
+        "sys.exit(main())\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "presets"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "weightmap: interrupted before it started; nothing was done"
+    assert r.stdout == ""
+
+
+def test_the_weightmap_command_starts_through_the_quiet_entry_point() -> None:
+    """The installed ``weightmap`` script imports the command line inside ``__main__.main``,
+    where a Ctrl-C during the import is caught; ``weightmap.cli:main`` could not catch it."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "weightmap"]
+    assert script.value == "weightmap.__main__:main"
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "weightmap", "presets"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert "eagle3-sglang" in r.stdout

@@ -8,9 +8,13 @@ into a new safetensors checkpoint in bounded memory.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+# Not typing's: the ``weightmap`` command imports this package before it can catch a Ctrl-C
+# (``__main__``), so it imports only what it must. (mypy reads any TYPE_CHECKING as True.)
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from weightmap.api import (
         Result,
         compile,

@@ -896,9 +896,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """Run the command line (``argv``: ``sys.argv[1:]`` by default); returns the exit code."""
+    return run(parse(argv))
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments parsed (``argv``: ``sys.argv[1:]`` by default); exits,
+    as argparse does, for ``--help`` and usage errors."""
+    return _parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command that ``parse`` gave; returns the exit code."""
     debug = args.debug or os.environ.get("WEIGHTMAP_DEBUG", "") not in ("", "0")
     stdout = sys.stdout
     sys.stdout = cast(TextIO, _Printable(stdout))
