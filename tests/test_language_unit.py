@@ -254,7 +254,9 @@ def test_incomplete_groups_are_said_once_with_their_keys() -> None:
     inputs = [T(f"l.{i}.q", "F32", (2,)) for i in range(3)] + [T("l.0.k", "F32", (2,))]
     with pytest.raises(MappingError) as info:
         compile_text('merge "l.{i}.q", "l.{i}.k" dim 0 -> "l.{i}.qk"\n', inputs)
-    assert 'group i={"1","2"} is incomplete: missing pattern 2 (2 groups)' in str(info.value)
+    assert 'group i={"1","2"} is incomplete: missing `l.{i}.k` (pattern 2) (2 groups)' in str(
+        info.value
+    )
 
 
 @pytest.mark.parametrize("sizes", ["[0, 4]", "[-1, 5]"])

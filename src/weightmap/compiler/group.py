@@ -30,6 +30,7 @@ from weightmap.compiler.ops import (
 )
 from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
+from weightmap.language.unparse import pattern_text
 from weightmap.language.values import Scope, show
 from weightmap.plan.nodes import Concat, Node, Same, Stack
 
@@ -39,8 +40,16 @@ __all__ = ["Members", "build_group", "members_of"]
 class Members:
     """How a merge/stack rule tells members apart (see the module docstring)."""
 
-    def __init__(self, kind: str, var: str | None, words: tuple[str, ...], key: list[str]):
+    def __init__(
+        self,
+        kind: str,
+        var: str | None,
+        words: tuple[str, ...],
+        key: list[str],
+        patterns: tuple[str, ...] = (),
+    ):
         self.kind, self.var, self.words, self.key = kind, var, words, key
+        self.patterns = patterns  # (kind "patterns": each pattern's text, for messages)
 
     def member(self, m: Match) -> Any:
         """The member identity of a match: an index into the order, or an int value."""
@@ -56,7 +65,8 @@ class Members:
             return str(self.words[member])
         if self.kind == "int":
             return f"{self.var}={member}"
-        return f"pattern {member + 1}"
+        # The pattern itself, not just its place: "missing pattern 2" made the reader count.
+        return f"`{self.patterns[member]}` (pattern {member + 1})"
 
 
 def _several_patterns(rule: A.Rule, names: list[set[str]], used: set[str]) -> Members:
@@ -81,7 +91,8 @@ def _several_patterns(rule: A.Rule, names: list[set[str]], used: set[str]) -> Me
             f"the output leaves out {listing}: with several patterns every capture names the "
             "group, so the output must use them all (or different groups would get one name)"
         )
-    return Members("patterns", None, (), sorted(names[0]))
+    texts = tuple(pattern_text(p.parts) for p in rule.patterns)
+    return Members("patterns", None, (), sorted(names[0]), texts)
 
 
 def _unnamed_alternative(rule: A.Rule, free: set[str]) -> Members | None:
