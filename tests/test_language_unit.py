@@ -81,6 +81,18 @@ def test_strict_expressions() -> None:
     assert plan.outputs
 
 
+def test_plus_joins_objects_the_right_ones_keys_winning() -> None:
+    text = (
+        "param scaled = false\n"
+        'config { p = {"a": 1, "b": 2} + ({"b": 3, "c": 4} if scaled else {}) }\n'
+        'keep "**"\n'
+    )
+    assert compile_text(text, config={}).config == {"p": {"a": 1, "b": 2}}
+    assert compile_text(text, config={}, scaled=True).config == {"p": {"a": 1, "b": 3, "c": 4}}
+    with pytest.raises(MappingError, match=r"cannot apply \+ to"):
+        compile_text('config { p = {"a": 1} + [1] }\nkeep "**"\n', config={})
+
+
 def test_warnings_go_to_the_plan_not_to_python() -> None:
     plan = compile_text(
         'warn if exists "a.*" "found {len(config.xs)} xs"\nkeep "**"\n', config={"xs": [1]}

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import weightmap
 from several import (
+    DIM,
     VOCAB,
     intermediate,
     lora_pair,
@@ -378,3 +379,24 @@ def test_a_plain_input_does_not_invert_and_not_in_place(tmp_path: Path) -> None:
         weightmap.invert(mapping)
     with pytest.raises(ValueError, match="in-place rename cannot"):
         weightmap.remap(first, mapping=mapping, inputs={"other": second}, inplace=True)
+
+
+@pytest.mark.parametrize(("version", "given"), [("2", "3"), ("3", "2")])
+def test_meta_ranks_of_another_llama_version_are_refused(
+    tmp_path: Path, version: str, given: str
+) -> None:
+    """The version says which way tok_embeddings was split over the ranks; joined the other
+    way, it would be written with a shape its config.json contradicts (no model loads it)."""
+    folder, _ = meta_ranks(tmp_path, version, 4)
+    params: dict[str, Any] = {"version": given, "vocab_size": VOCAB}
+    with pytest.raises(MappingError) as caught:
+        weightmap.compile(folder, preset="llama-meta-ranks-to-hf", params=params)
+    if version == "2":  # (params.json's vocab_size -1 says so first)
+        assert "vocab_size is -1, as only Llama 2's is: --set version=2" in str(caught.value)
+    # Without that clue, the joined shape refuses it.
+    (folder / "params.json").write_text(json.dumps(meta_params(version) | {"vocab_size": VOCAB}))
+    with pytest.raises(MappingError) as caught:
+        weightmap.compile(folder, preset="llama-meta-ranks-to-hf", params=params)
+    joined = [VOCAB // 4, DIM * 4] if version == "3" else [VOCAB * 4, DIM // 4]
+    assert f"`tok_embeddings.weight` {joined} does not have the declared shape" in str(caught.value)
+    assert f"[{VOCAB}, {DIM}]" in str(caught.value)

@@ -227,6 +227,13 @@ def arith(op: str, a: Any, b: Any, loc: A.Loc, s: Scope | None = None) -> Any:
             s.charge_value(a, loc)
             s.charge_value(b, loc)
         return a + b
+    if op == "+" and isinstance(a, dict) and isinstance(b, dict):
+        # An object with the right one's keys added (its values win): a file or config value
+        # whose fields depend on a condition, `{...} + ({"k": v} if cond else {})`.
+        if s is not None:
+            s.charge_value(a, loc)
+            s.charge_value(b, loc)
+        return {**a, **b}
     if op == "*" and isinstance(a, list) and isinstance(b, int) and not isinstance(b, bool):
         if s is not None:
             # Every copy counts: the copies are the same objects, but each is written out,
