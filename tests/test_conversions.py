@@ -205,6 +205,28 @@ def test_moe_fuse(tmp_path: Path) -> None:
     )
 
 
+def test_moe_fuse_refuses_a_layer_short_of_its_last_expert(tmp_path: Path) -> None:
+    """Experts 0..n-2 are a stack without a gap; the config's count says one is missing,
+    which fused would be a tensor its own config contradicts."""
+    sd = _mixtral(torch.Generator().manual_seed(4))
+    src = tmp_path / "src"
+    src.mkdir()
+    config = {"model_type": "mixtral", "num_local_experts": EXPERTS}
+    (src / "config.json").write_text(json.dumps(config))
+    save_file(sd, src / "model.safetensors")
+    assert weightmap.compile(src, preset="moe-fuse").outputs  # whole, it fuses
+    for w in ("w1", "w2", "w3"):
+        del sd[f"model.layers.0.block_sparse_moe.experts.{EXPERTS - 1}.{w}.weight"]
+    save_file(sd, src / "model.safetensors")
+    with pytest.raises(weightmap.MappingError) as caught:
+        weightmap.compile(src, preset="moe-fuse")
+    text = str(caught.value)
+    assert "`model.layers.0.block_sparse_moe.experts.w2` " in text
+    assert f"[{EXPERTS - 1}, {HIDDEN}, {EXPERT_INTER}] does not have the declared shape " in text
+    assert f"[{EXPERTS}, {HIDDEN}, {EXPERT_INTER}]" in text
+    assert "layers.1" not in text
+
+
 def test_moe_unfuse_restores_the_experts(tmp_path: Path) -> None:
     sd = _mixtral(torch.Generator().manual_seed(3))
     fused = fuse_reference(sd)
