@@ -171,6 +171,21 @@ def test_gptq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
         weightmap.compile(tmp_path / "src", preset="gptq-dequant")
 
 
+def test_gptq_dequant_reads_gptq_layouts_only(tmp_path: Path) -> None:
+    """A kernel's layout (marlin repacks codes and scales) would dequantize to wrong weights
+    without an error; a null checkpoint_format is GPTQ's default, zero points minus one."""
+    _gptq_checkpoint(tmp_path / "marlin", checkpoint_format="marlin")
+    with pytest.raises(MappingError, match=r'checkpoint_format "marlin": only GPTQ\'s own'):
+        weightmap.compile(tmp_path / "marlin", preset="gptq-dequant")
+    tensors = _gptq_checkpoint(tmp_path / "null")
+    config = json.loads((tmp_path / "null" / "config.json").read_text())
+    config["quantization_config"]["checkpoint_format"] = None
+    (tmp_path / "null" / "config.json").write_text(json.dumps(config))
+    out = _run(tmp_path / "null", preset="gptq-dequant")
+    for name, t in _expect_gptq(tensors, 4, "gptq").items():
+        assert torch.equal(as_bytes(out[name]), as_bytes(t)), name
+
+
 # ---------------------------------------------------------------- AWQ
 
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
