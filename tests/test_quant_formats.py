@@ -257,6 +257,34 @@ def test_awq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "src" / "config.json").write_text(json.dumps(config))
     with pytest.raises(MappingError, match="AWQ without zero points"):
         weightmap.compile(tmp_path / "src", preset="awq-dequant")
+    config["quantization_config"].update(zero_point=True, version="gemv")
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MappingError, match=r'AWQ version "gemv": only the GEMM layout'):
+        weightmap.compile(tmp_path / "src", preset="awq-dequant")
+    del config["quantization_config"]["group_size"]
+    config["quantization_config"]["version"] = "gemm"
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MappingError, match="quantization_config has no group_size"):
+        weightmap.compile(tmp_path / "src", preset="awq-dequant")
+
+
+def test_awq_dequant_reads_autoawqs_own_config_keys(tmp_path: Path) -> None:
+    """AutoAWQ's quant_config names (q_group_size, w_bit, version "GEMM"), as transformers
+    reads them too: the same weights as with transformers' names."""
+    tensors = _awq_checkpoint(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    quant = config["quantization_config"]
+    config["quantization_config"] = {
+        "quant_method": "awq", "w_bit": 4, "q_group_size": quant["group_size"],
+        "version": "GEMM", "zero_point": True,
+    }  # fmt: skip
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    out = _run(tmp_path / "src", preset="awq-dequant")
+    base = "model.layers.0.mlp.up_proj"
+    ref = dequantize_gemm(
+        tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 4, 32
+    ).T
+    assert torch.equal(as_bytes(out[f"{base}.weight"]), as_bytes(ref))
 
 
 # ---------------------------------------------------------------- the primitives
