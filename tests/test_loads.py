@@ -97,11 +97,11 @@ def test_transformers_ignore_patterns_are_honoured(
 ) -> None:
     from transformers import LlamaForCausalLM
 
-    rules = 'copy "model.norm.weight" -> "model.layers.0.self_attn.rotary_emb.inv_freq"\n'
+    rules = 'copy "model.norm.weight" -> "model.layers.0.self_attn.scale_cache"\n'
     rules += 'drop "model.layers.1.mlp.down_proj.weight"'
     assert len(_problems(llama, rules)) == 2
     monkeypatch.setattr(
-        LlamaForCausalLM, "_keys_to_ignore_on_load_unexpected", [r"rotary_emb\.inv_freq"]
+        LlamaForCausalLM, "_keys_to_ignore_on_load_unexpected", [r"self_attn\.scale_cache"]
     )
     monkeypatch.setattr(LlamaForCausalLM, "_keys_to_ignore_on_load_missing", [r"\.mlp\.down_"])
     assert _problems(llama, rules) == ()
@@ -229,7 +229,38 @@ def test_a_config_transformers_cannot_build_is_one_error(tmp_path: Path, llama: 
     (folder / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
     config = json.loads((llama / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["__class__"]}))
-    assert weightmap.check_loads(folder).model_class == "LlamaForCausalLM"  # by model_type
+    with pytest.raises(weightmap.LoadError, match="'__class__', which is no model class of"):
+        weightmap.check_loads(folder)
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "wide"}))
     with pytest.raises(weightmap.LoadError, match="transformers cannot build the model"):
         weightmap.check_loads(folder)
+
+
+def test_another_librarys_class_is_not_checked_as_the_model_types(tmp_path: Path) -> None:
+    """SGLang's EAGLE-3 drafter names LlamaForCausalLMEagle3, which transformers lacks: built
+    as LlamaForCausalLM instead, every difference between the two came out as 23 problems of
+    the checkpoint (the README's own conversion, with --check-loads)."""
+    out = tmp_path / "sglang"
+    weightmap.remap("examples/eagle3-speculators", out, preset="eagle3-sglang", progress=False)
+    with pytest.raises(weightmap.LoadError) as caught:
+        weightmap.check_loads(out)
+    assert str(caught.value).startswith(
+        "config.json's architectures names 'LlamaForCausalLMEagle3', which is no model class "
+        "of transformers"
+    )
+    assert "check it with the library it is for" in str(caught.value)
+    assert main(["check", str(out), "--loads", "transformers"]) == 1
+
+
+def test_the_names_transformers_drops_for_every_model_are_no_problem(llama: Path) -> None:
+    """transformers drops an older checkpoint's per-layer rotary_emb.inv_freq (and a saved
+    position_ids) where the model has such a buffer, whatever the model's own patterns say."""
+    rules = (
+        'copy "model.norm.weight" -> "model.layers.0.self_attn.rotary_emb.inv_freq"\n'
+        'copy "model.norm.weight" -> "model.rotary_emb.inv_freq"\n'
+    )
+    assert _problems(llama, rules) == ()
+    # A name no such rule covers is still one.
+    assert _problems(llama, 'copy "model.norm.weight" -> "model.layers.0.inv_freq_extra"') == (
+        "unexpected: model.layers.0.inv_freq_extra: the model has no such parameter or buffer",
+    )

@@ -174,6 +174,16 @@ def _build(config: dict[str, Any], root: Path | None, trust_remote_code: bool) -
     cls = getattr(transformers, arch, None) if arch is not None else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         cls = None  # not a model class of transformers (a name of something else in it)
+        if arch is not None and "auto_map" not in config:
+            # Another library's class (a serving engine's: SGLang's LlamaForCausalLMEagle3):
+            # checked as the model_type's class instead, every difference between the two
+            # would be reported as a problem of the checkpoint.
+            raise LoadError(
+                f"config.json's architectures names {arch!r}, which is no model class of "
+                f"transformers {transformers.__version__} (another library's own?): "
+                "transformers cannot check it; check it with the library it is for, or fix "
+                "architectures"
+            )
     if cls is None:
         for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
             name = getattr(modeling_auto, table).get(model_type)
@@ -250,6 +260,20 @@ def _shape(spec: TensorSpec | tuple[str, tuple[int, ...]]) -> str:
     return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
+def _ignored_by_every_model(model: Any) -> list[re.Pattern[str]]:
+    """The unexpected names transformers drops for every model, beside each model's own
+    patterns (``PreTrainedModel._adjust_missing_and_unexpected_keys``): older checkpoints'
+    per-layer ``rotary_emb.inv_freq`` where the model has such a buffer, and ``position_ids``
+    where it has one (no longer saved)."""
+    buffers = [name for name, _ in model.named_buffers()]
+    patterns = []
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.append(re.compile(r"rotary_emb\.inv_freq"))
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.append(re.compile(r"(^|\.)position_ids$"))
+    return patterns
+
+
 def _compare(model: Any, specs: Sequence[TensorSpec], config: dict[str, Any]) -> list[str]:
     """Each problem of loading ``specs`` into ``model``, grouped: one line per kind and detail."""
     expected: dict[str, torch.Tensor] = model.state_dict()
@@ -264,7 +288,7 @@ def _compare(model: Any, specs: Sequence[TensorSpec], config: dict[str, Any]) ->
     ]
     ignore_unexpected = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
-    ]
+    ] + _ignored_by_every_model(model)
     tied: dict[str, str] = dict(getattr(model, "all_tied_weights_keys", None) or {})
     keep_f32 = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(
         getattr(model, "_keep_in_fp32_modules_strict", None) or ()
