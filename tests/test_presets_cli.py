@@ -81,6 +81,23 @@ def test_a_preset_that_needs_a_param_is_said_so(
     )
 
 
+def test_presets_for_a_checkpoint_that_is_not_there_is_one_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Said once, exit 1, as inspect says it: not a "no: does not exist" per preset, exit 0."""
+    missing = tmp_path / "nope"
+    assert main(["presets", "--for", str(missing)]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.strip() == f"weightmap: error: {missing}: no such file or folder [missing]"
+    link = tmp_path / "gone"
+    link.symlink_to(tmp_path / "elsewhere")
+    assert main(["presets", "--for", str(link)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("which does not exist; fix or remove the link [dangling-link]")
+    assert len(err.splitlines()) == 1
+
+
 def test_convert_without_a_mapping_names_the_presets_that_apply(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

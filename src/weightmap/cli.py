@@ -510,8 +510,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     if args.for_checkpoint is not None:
         if args.name is not None:
             raise UsageError("give a preset NAME or --for CHECKPOINT, not both")
+        from weightmap.inputs.checkpoint import refuse_missing
+        from weightmap.inputs.resolve import ResolvedInput
         from weightmap.language.mapping import preset_names
 
+        # Found (a Hub id fetched) once: a path that is not there, or a Hub out of reach, is
+        # one error and exit 1, not the same "no" for every preset and exit 0.
+        found = ResolvedInput.resolve(args.for_checkpoint, "config.json", progress=False)
+        refuse_missing(Path(found.path))
         names = preset_names()
         width = max([len(n) for n in names] + [4])
         for name in names:

@@ -283,6 +283,16 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
     return loaded
 
 
+
+def refuse_missing(p: Path) -> None:
+    """Raise the error of a checkpoint path that is not there (a dangling link said as one)."""
+    if p.exists():
+        return
+    if (broken := _broken_link(p)) is not None:
+        # Not "does not exist": the name is there, and the link is what to fix.
+        raise CheckpointError(f"{broken}; fix or remove the link", path=p, rule="dangling-link")
+    raise CheckpointError("does not exist", path=p, rule="missing")
+
 class Checkpoint:
     """A validated safetensors checkpoint.
 
@@ -362,13 +372,7 @@ class Checkpoint:
         otherwise refused.
         """
         p = Path(path)
-        if not p.exists():
-            if (broken := _broken_link(p)) is not None:
-                # Not "does not exist": the name is there, and the link is what to fix.
-                raise CheckpointError(
-                    f"{broken}; fix or remove the link", path=p, rule="dangling-link"
-                )
-            raise CheckpointError("does not exist", path=p, rule="missing")
+        refuse_missing(p)
         if not p.is_file() and not p.is_dir():
             raise CheckpointError(
                 "is neither a file nor a folder; give a checkpoint folder or a .safetensors file",

@@ -41,6 +41,10 @@ def check_local_path(given: str) -> None:
     ``sub/`` is a folder). Taken for a Hub id, a typo would be looked up on the Hub, and the
     error would be about the Hub. Names close to it in its folder are offered."""
     path = Path(given)
+    if path.is_symlink():
+        from weightmap.inputs.checkpoint import refuse_missing
+
+        refuse_missing(path)  # a link to nothing: the link is what to fix, said as such
     if not (given.startswith(_LOCAL_PREFIXES) or ("/" in given and path.parent.is_dir())):
         return
     parent = path.expanduser().parent
@@ -48,7 +52,9 @@ def check_local_path(given: str) -> None:
         names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
     except OSError:
         names = []
-    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(
+        path.name, [n for n in names if n != path.name], n=1, cutoff=0.6
+    )
     shown = given.rstrip("/").rpartition("/")[0]
     hint = f"; did you mean {shown}/{close[0]}?" if close else ""
     nor = "" if parent.is_dir() else f" (nor is {parent} a folder)"
