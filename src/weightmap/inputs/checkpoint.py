@@ -283,7 +283,6 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
     return loaded
 
 
-
 def refuse_missing(p: Path) -> None:
     """Raise the error of a checkpoint path that is not there (a dangling link said as one)."""
     if p.exists():
@@ -292,6 +291,7 @@ def refuse_missing(p: Path) -> None:
         # Not "does not exist": the name is there, and the link is what to fix.
         raise CheckpointError(f"{broken}; fix or remove the link", path=p, rule="dangling-link")
     raise CheckpointError("does not exist", path=p, rule="missing")
+
 
 class Checkpoint:
     """A validated safetensors checkpoint.
