@@ -105,6 +105,30 @@ def test_usage_error_exit_code() -> None:
     assert r.returncode == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["convert", "a", "b", "--preset", "cast", "--workers", "abc"],
+            "weightmap convert: error: argument --workers: invalid int value: 'abc' "
+            "(see weightmap convert --help)",
+        ),
+        (
+            ["convert", "a", "b", "--preset", "cast", "--set"],
+            "weightmap convert: error: argument --set: expected one argument "
+            "(see weightmap convert --help)",
+        ),
+        (["inspect"], "weightmap inspect: error: the following arguments are required: "),
+    ],
+)
+def test_argument_errors_are_one_line_saying_where_the_usage_is(args: list[str], line: str) -> None:
+    """argparse printed the command's whole usage (nine lines for convert) before its line."""
+    r = run(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(line)
+    assert r.stderr.rstrip().endswith("--help)")
+
+
 def test_convert_example(example: Path, tmp_path: Path) -> None:
     r = run("convert", str(example), str(tmp_path / "out"), "--preset", "eagle3-sglang", "--verify")
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
 
 from weightmap.errors import (
     Cancelled,
@@ -712,10 +712,17 @@ def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line, as every other error here is."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the command's whole usage (nine lines for convert) before the
+        # message; the line says where the usage is instead.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="weightmap", description="Remap tensor checkpoints between frameworks."
-    )
+    parser = _Parser(prog="weightmap", description="Remap tensor checkpoints between frameworks.")
     debug_help = "show the traceback of an error (or WEIGHTMAP_DEBUG=1)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # (The package is imported before any of its modules: its version is there to read.)
@@ -723,7 +730,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"weightmap {version}")
     # --debug after the command too (`weightmap inspect X --debug`), as people type it: each
     # command takes it, and SUPPRESS leaves the top-level value alone where it is not given.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
