@@ -265,7 +265,8 @@ def test_progress_lines_when_stderr_is_not_a_terminal(
     run that must last past the quiet half second cannot be sized for every machine)."""
     import weightmap.cli as cli
 
-    clock = iter([0.0, 0.1, 0.6, 0.7, 1.2, 1.3, 2.0, 40.0, 41.0])
+    # (The first time is the run's start, when the lines are made.)
+    clock = iter([0.0, 0.0, 0.1, 0.6, 0.7, 1.2, 1.3, 2.0, 40.0, 41.0])
     real_time = cli.time
     monkeypatch.setattr(cli, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     lines = cli._ProgressLines()
@@ -276,6 +277,12 @@ def test_progress_lines_when_stderr_is_not_a_terminal(
     assert re.findall(r"^weightmap: (\d+)% \(", err, re.M) == ["18", "39", "42", "70", "73"]
     # (18% at 0.6 s: the first after the quiet half second; 71% at 2 s: no new tenth; 73% at
     # 40 s: 30 s without a new tenth; nothing at 12% (0.1 s) nor at 100%.)
+    # A run whose first chunk is done only after seconds, at 94%, says so then.
+    clock = iter([0.0, 5.8, 6.0])
+    lines = cli._ProgressLines()
+    lines(940, total)
+    lines(1000, total)
+    assert re.findall(r"^weightmap: (\d+)% \(", capsys.readouterr().err, re.M) == ["94"]
 
     # The command line uses it where stderr is no terminal, and --no-progress silences it.
     src = tmp_path / "in"

@@ -167,24 +167,23 @@ class _ProgressLines:
     """Progress as lines on stderr, where it is not a terminal (a log file, a pipe): a bar
     there would be one line rewritten, so a long run would show nothing until its end.
 
-    A line at each tenth of the work (and every 30 s between tenths), once the writing has
-    lasted half a second: a shorter run prints none.
+    A line at each tenth of the work (and every 30 s between tenths), once the run has
+    lasted half a second: a shorter run prints none. Timed from the run's start, not from the
+    first chunk written: a run whose first chunk takes seconds (a matrix product) still says
+    where it is when that chunk is done.
     """
 
     QUIET_SECONDS = 0.5
     EVERY_SECONDS = 30.0
 
     def __init__(self) -> None:
-        self._start: float | None = None
+        self._start = self._last = time.monotonic()
         self._shown = 0  # tenths
-        self._last = 0.0
         self._lock = threading.Lock()  # (called from the writer threads)
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
         with self._lock:
-            if self._start is None:
-                self._start = self._last = now
             tenths = done * 10 // total if total else 10
             if now - self._start < self.QUIET_SECONDS or tenths >= 10:
                 return
