@@ -50,6 +50,23 @@ def test_params_override_and_type_check() -> None:
         compile_text(counted, n="x")
 
 
+def test_a_refused_param_is_not_checked_again_through_its_default() -> None:
+    """A require that reads the param would be evaluated with the default in its place: an
+    error about a value the caller never gave (`multiple_of=256`, where they set "abc")."""
+    text = (
+        "param m = 256\n"
+        'require config.size % m == 0 else "size {config.size} is not a multiple of {m}"\n'
+        'require config.size > 0 else "size {config.size} is not positive"\n'
+        'keep "**"\n'
+    )
+    with pytest.raises(MappingError) as caught:
+        compile_text(text, config={"size": -96}, m="abc")
+    problems = [p.message for p in caught.value.problems]  # type: ignore[attr-defined]
+    assert len(problems) == 2
+    assert problems[0].startswith("param 'm' takes an int like its default 256")
+    assert problems[1] == "requirement failed: size -96 is not positive"  # (reads no m)
+
+
 def test_param_conditional_blocks() -> None:
     text = (
         "param fuse = false\n"

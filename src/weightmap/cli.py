@@ -427,25 +427,13 @@ def _model_types(stmts: Sequence[A.Stmt]) -> list[str] | None:
     return None
 
 
-def _reads_params(node: object, params: Collection[str]) -> bool:
-    """Whether an expression reads one of ``params``."""
-    from weightmap.language import ast as A
-
-    if isinstance(node, A.Name):
-        return node.id in params
-    if isinstance(node, tuple):
-        return any(_reads_params(n, params) for n in node)
-    fields = getattr(node, "__dataclass_fields__", None)
-    return fields is not None and any(_reads_params(getattr(node, f), params) for f in fields)
-
-
 def _param_requires(stmts: Sequence[A.Stmt], params: Collection[str]) -> set[str]:
     """The locations of the requires that read a param: a --set may lift them."""
     from weightmap.language import ast as A
 
     out: set[str] = set()
     for st in stmts:
-        if isinstance(st, A.Require) and _reads_params(st.cond, params):
+        if isinstance(st, A.Require) and A.reads_names(st.cond, params):
             out.add(str(st.loc))
         elif isinstance(st, A.If):
             out |= _param_requires(st.then, params) | _param_requires(st.orelse, params)

@@ -89,6 +89,7 @@ class _Compiler:
         self._exists: dict[A.Pattern, bool] = {}
         self._names: frozenset[str] | None = None
         self.failed_require = False
+        self.refused_params: set[str] = set()  # given, but of the wrong type: see checks()
         self.filter_failed: set[int] = set()
 
     def report(self, loc: A.Loc, message: str) -> None:
@@ -168,6 +169,8 @@ class _Compiler:
                 )
             else:
                 values[name] = value
+                continue
+            self.refused_params.add(name)
         return values
 
     def flatten(self, stmts: tuple[A.Stmt, ...], scope: Scope, out: _Flat) -> None:
@@ -196,6 +199,11 @@ class _Compiler:
 
     def checks(self, checks: list[A.Require | A.Warn], scope: Scope) -> None:
         for st in checks:
+            if self.refused_params and A.reads_names((st.cond, st.message), self.refused_params):
+                # Computed from the default in place of a value the caller gave and was
+                # refused (`multiple_of=256` where they set abc): an error about a value they
+                # never gave. The refusal itself is reported.
+                continue
             try:
                 ok = True if st.cond is None else truth(compile_expr(st.cond)(scope), st.cond.loc)
             except EvalError as err:

@@ -7,6 +7,7 @@ The parser (``syntax.py``) builds these from text; the compiler (``compile.py``)
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -539,3 +540,14 @@ class Program:
     version: int
     stmts: tuple[Stmt, ...]
     file: str = "<string>"
+
+
+def reads_names(node: object, names: Collection[str]) -> bool:
+    """Whether an expression (or any part of a statement) reads one of ``names`` as a bare
+    name: a param, a capture, ``shape``."""
+    if isinstance(node, Name):
+        return node.id in names
+    if isinstance(node, tuple):
+        return any(reads_names(n, names) for n in node)
+    fields = getattr(node, "__dataclass_fields__", None)
+    return fields is not None and any(reads_names(getattr(node, f), names) for f in fields)
