@@ -171,6 +171,23 @@ def test_gptq_dequant_preset_refuses_other_checkpoints(tmp_path: Path) -> None:
         weightmap.compile(tmp_path / "src", preset="gptq-dequant")
 
 
+def test_gptq_per_channel_without_g_idx(tmp_path: Path) -> None:
+    """group_size -1: one group of every input row per output column. Without g_idx the
+    rows' group was i // group_size, which -1 cannot give: the block is the whole dim."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = {"model.norm.weight": torch.randn(64, generator=gen).half()}
+    layer = _gptq_layer(gen, 64, 48, 64, 4, False)  # one group of all 64 rows
+    for part in ("qweight", "qzeros", "scales"):
+        tensors[f"model.layers.0.o_proj.{part}"] = layer[part]
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False}
+    save_checkpoint(tmp_path / "src", tensors, {"quantization_config": quant})
+    out = _run(tmp_path / "src", preset="gptq-dequant")
+    expected = dequant_gptq(
+        torch.zeros(64, dtype=torch.int32), layer["qweight"], layer["qzeros"], layer["scales"], 4
+    )
+    assert torch.equal(as_bytes(out["model.layers.0.o_proj.weight"]), as_bytes(expected))
+
+
 def test_gptq_dequant_reads_gptq_layouts_only(tmp_path: Path) -> None:
     """A kernel's layout (marlin repacks codes and scales) would dequantize to wrong weights
     without an error; a null checkpoint_format is GPTQ's default, zero points minus one."""

@@ -116,18 +116,24 @@ def _constant(rule: A.Rule, s: Scope, compute: str) -> int | float:
     return v
 
 
-def block_of(rule: A.Rule, s: Scope, rank: int, default: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The rule's ``block [...]``: positive ints, one per trailing dim (at most ``rank``)."""
+def block_of(
+    rule: A.Rule, s: Scope, shape: tuple[int, ...], default: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    """The rule's ``block [...]``: positive ints, one per trailing dim of ``shape`` (at most
+    its rank); -1 is the whole of its dim (GPTQ's group_size -1: one group of every row)."""
     if rule.block is None:
         if default is None:
             return ()
         return default
+    rank = len(shape)
     block = tuple(as_ints(evaluate(rule.block, s), "block"))
-    if not block or any(b <= 0 for b in block) or len(block) > rank:
+    if not block or any(b <= 0 and b != -1 for b in block) or len(block) > rank:
         raise RuleProblem(
-            f"block {list(block)} must be one to {rank} positive sizes (one per trailing dim)"
+            f"block {list(block)} must be one to {rank} positive sizes, or -1 for a whole dim "
+            "(one per trailing dim)"
         )
-    return block
+    trailing = shape[rank - len(block) :]
+    return tuple(d if b == -1 else b for b, d in zip(block, trailing, strict=True))
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
@@ -197,7 +203,7 @@ def binary_node(rule: A.Rule, ordered: list[Match], scope: Scope, caps: dict[str
     for x in (a, b):
         _float_input(x)
     s = Scope(scope.params, scope.config, caps)
-    block = block_of(rule, s, len(a.shape), None)
+    block = block_of(rule, s, a.shape, None)
     expected = scale_shape(a.shape, block) if block else a.shape
     if b.shape != expected:
         how = f"the block grid of {list(a.shape)} over {list(block)}" if block else "the same"
@@ -216,7 +222,7 @@ def _quantize(rule: A.Rule, spec: TensorSpec, src: Node, s: Scope) -> tuple[Node
             f"`{spec.name}` {list(spec.shape)}: quantize works on blocks of the last two dims"
         )
     out = _dtype(rule.to_dtype, "F8_E4M3", "quantized dtype (`to`)", FP8_DTYPES)
-    block = block_of(rule, s, 2, DEFAULT_BLOCK)
+    block = block_of(rule, s, spec.shape[-2:], DEFAULT_BLOCK)
     if len(block) != 2:
         raise RuleProblem(f"quantize takes a block of two sizes (rows, columns), got {list(block)}")
     pair = (block[0], block[1])
