@@ -110,6 +110,32 @@ def test_plus_joins_objects_the_right_ones_keys_winning() -> None:
         compile_text('config { p = {"a": 1} + [1] }\nkeep "**"\n', config={})
 
 
+def test_a_failed_rule_is_the_one_error_not_each_rule_after_it() -> None:
+    """What a failed rule did not make, the rules after it find missing: each of those said
+    "matches no input tensor" or "group ... is incomplete" for the one cause."""
+    text = (
+        'rename "b.weight" -> "a.s"\n'
+        'reshape "a.weight" to [3, 5] -> "a.r"\n'  # 16 elements: fails
+        'transpose "{x}.r" -> "{x}.t"\n'
+        'merge "{x}.t", "{x}.s" dim 0 -> "{x}.ts"\n'
+        'keep "{x}.ts"\n'
+    )
+    with pytest.raises(MappingError) as caught:
+        compile_text(text)
+    problems = [p.message for p in caught.value.problems]  # type: ignore[attr-defined]
+    assert problems == ["cannot reshape `a.weight` [4, 4] (16 elements) to [3, 5]"]
+    # Requires: one that fails, and one that cannot be evaluated for the same cause.
+    checks = (
+        'require has(config.q) else "no q"\n'
+        'require config.q.bits == 4 else "not 4 bits"\n'
+        'keep "**"\n'
+    )
+    with pytest.raises(MappingError) as caught:
+        compile_text(checks, config={})
+    problems = [p.message for p in caught.value.problems]  # type: ignore[attr-defined]
+    assert problems == ["requirement failed: no q"]
+
+
 def test_warnings_go_to_the_plan_not_to_python() -> None:
     plan = compile_text(
         'warn if exists "a.*" "found {len(config.xs)} xs"\nkeep "**"\n', config={"xs": [1]}

@@ -198,6 +198,11 @@ class _Compiler:
                 out.unmatched = st
 
     def checks(self, checks: list[A.Require | A.Warn], scope: Scope) -> None:
+        # A check that cannot be evaluated is reported only if no require failed: the later
+        # requires of a preset read what the first one found missing (no quantization_config
+        # at all: every require about its fields fails to evaluate), a second error for one
+        # cause.
+        unevaluated: list[EvalError] = []
         for st in checks:
             if self.refused_params and A.reads_names((st.cond, st.message), self.refused_params):
                 # Computed from the default in place of a value the caller gave and was
@@ -207,7 +212,7 @@ class _Compiler:
             try:
                 ok = True if st.cond is None else truth(compile_expr(st.cond)(scope), st.cond.loc)
             except EvalError as err:
-                self.report(err.loc, err.message)
+                unevaluated.append(err)
                 continue
             fire = (not ok) if isinstance(st, A.Require) else ok
             self.failed_require |= fire and isinstance(st, A.Require)
@@ -221,6 +226,9 @@ class _Compiler:
                 self.report(st.loc, f"requirement failed: {message}")
             else:
                 self.warnings.append(f"{st.loc}: {message}")
+        if not self.failed_require:
+            for problem in unevaluated:
+                self.report(problem.loc, problem.message)
 
     def check_rule(self, rule: A.Rule) -> bool:
         for word in (rule.from_dtype, rule.to_dtype, rule.compute):
@@ -391,8 +399,9 @@ def run_rules(
         else:
             found = {m.pattern_index for _i, m in taken}
             missing = [p for i, p in enumerate(rule.patterns) if i not in found]
-        if missing:
-            _nothing(ws, rule, r, missing, c.report)
+        if missing and _nothing(ws, rule, r, missing, c.report):
+            # What this rule would make from them is missing for the same cause.
+            ws.failed_outputs.extend(rule.outputs)
         if not taken:
             continue
         if rule.op == "keep" and not rule.outputs:
@@ -401,6 +410,7 @@ def run_rules(
             ws.pass_on_all(taken, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
+        before = len(c.problems.raw)
         if rule.op in ("merge", "stack") or (rule.op in VALUE_OPS and len(rule.patterns) > 1):
             step.group(taken)
         elif rule.op in ("keep", "rename"):
@@ -410,6 +420,8 @@ def run_rules(
                 c.problems.tensor = item.spec.name  # a problem now is about this tensor
                 step.one(item, m)
             c.problems.tensor = None
+        if len(c.problems.raw) > before:
+            ws.failed_outputs.extend(rule.outputs)
         for item, _m in taken:
             node = item.node
             if type(node) is Source:  # an input as it came: its own one source, no call
@@ -525,7 +537,17 @@ class _Step:
 
         try:
             members = members_of(self.rule, set(self.scope.params))
-            build_group(self.rule, members, list(matches), self.scope, emit, self.report)
+            left = build_group(
+                self.rule,
+                members,
+                list(matches),
+                self.scope,
+                emit,
+                self.report,
+                failed=lambda p: self.ws.taken_by_failed_rule(p) or self.ws.made_by_failed_rule(p),
+            )
+            if left:  # (what it would have made is missing for a cause already said)
+                self.ws.failed_outputs.extend(self.rule.outputs)
         except LocatedProblem as p:  # the member scheme, or an output name's template
             self.report(p.loc, p.message)
         loc = self.rule.loc
@@ -562,13 +584,16 @@ def _nothing(
     r: int,
     patterns: list[A.Pattern],
     report: Callable[[A.Loc, str], None],
-) -> None:
+) -> bool:
     """Patterns of a rule that took nothing: fine with `?`, else say why (an earlier rule took
-    the tensor?)."""
-    if rule.optional or r in ws.failed_filters:
-        return
+    the tensor?). True when one names what an earlier rule that failed took or would have
+    made: its error said all there is."""
+    after_failure = False
     for p in patterns:
-        if ws.taken_by_failed_rule(p):
+        if ws.taken_by_failed_rule(p) or ws.made_by_failed_rule(p):
+            after_failure = True
+            continue
+        if rule.optional or r in ws.failed_filters:
             continue
         why = ws.explain_nothing(p)
         if why is not None and p.is_literal:
@@ -592,6 +617,7 @@ def _nothing(
                 f'pattern "{p.text}" matches no input tensor{_like(p, ws.alive)} '
                 f"(write `{rule.op}?` if that is expected)",
             )
+    return after_failure
 
 
 def _finish(

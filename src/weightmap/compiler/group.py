@@ -173,8 +173,14 @@ def build_group(
     scope: Scope,
     emit: Callable[[str, Node], None],
     report: Callable[[A.Loc | None, str], None],
-) -> None:
-    """Group ``matches`` and emit one Concat/Stack per complete, well-shaped group."""
+    failed: Callable[[A.Pattern], bool] = lambda pattern: False,
+) -> bool:
+    """Group ``matches`` and emit one Concat/Stack per complete, well-shaped group.
+
+    ``failed``: whether an earlier rule that reported a problem would have made (or took) what
+    a pattern names. A group missing only such members is left unsaid: its cause is. Returns
+    whether a group was left so (its output is then missing too, for the same cause)."""
+    left = False
     groups: dict[tuple[Any, ...], dict[Any, Match]] = {}
     key_of = _key_of(members.key)
     if members.kind == "int":  # (the commonest: experts by number) a C call, not a method
@@ -206,13 +212,22 @@ def build_group(
                 expected = list(range(len(members.words)))
             else:
                 expected = list(range(len(rule.patterns)))
-            missing = [members.label(x) for x in expected if x not in by_member]
+            absent = [x for x in expected if x not in by_member]
+            if (
+                members.kind == "patterns"
+                and absent
+                and all(failed(rule.patterns[x]) for x in absent)
+            ):
+                left = True
+                continue
+            missing = [members.label(x) for x in absent]
             if missing:
                 raise RuleProblem(f"{where} is incomplete: missing {', '.join(missing)}")
             ordered = [by_member[x] for x in expected]
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
             report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
+    return left
 
 
 def _family_size(rule: A.Rule, members: Members, scope: Scope) -> int | None:

@@ -125,6 +125,9 @@ class WorkingSet:
     # Rules (by location) that failed on a tensor they took: it went nowhere, but nothing
     # dropped it, and a later rule's "matches nothing" must not say it did.
     failed_rules: set[A.Loc] = field(default_factory=set)
+    # The output templates of rules that reported a problem: what they did not make, a later
+    # rule's pattern finds nothing of, and its "matches nothing" would be the same error again.
+    failed_outputs: list[A.Template] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.buckets = [[] for _ in self.router.rules]
@@ -271,6 +274,20 @@ class WorkingSet:
         all there is, and "matches nothing" after it would be a second error for one cause."""
         hit = self._first_taken(pattern)
         return hit is not None and not hit[2] and hit[1] in self.failed_rules
+
+    def made_by_failed_rule(self, pattern: A.Pattern) -> bool:
+        """True when a rule that failed would have made a tensor ``pattern`` names: its
+        template filled with a digit or a letter for each hole matches the pattern (a guess,
+        used only to leave out a second error for a cause already reported)."""
+        if not self.failed_outputs:
+            return False
+        rx = compile_pattern(pattern)
+        for template in self.failed_outputs:
+            for filler in ("0", "x"):
+                name = "".join(p if isinstance(p, str) else filler for p in template.parts)
+                if rx.fullmatch(name):
+                    return True
+        return False
 
     def explain_nothing(self, pattern: A.Pattern) -> str | None:
         """Why a pattern matched nothing, if an earlier rule took a tensor it names."""
