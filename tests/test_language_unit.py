@@ -136,6 +136,26 @@ def test_a_failed_rule_is_the_one_error_not_each_rule_after_it() -> None:
     assert problems == ["requirement failed: no q"]
 
 
+def test_a_group_that_failed_is_not_missing_again_but_other_groups_are() -> None:
+    """Group i=1 fails at the first merge; the second merge goes through for i=0 and says
+    nothing of i=1 (its member is missing for the cause already said), but still says that
+    group i=2 lacks its own member, a cause of its own."""
+    inputs = [T(f"l.{i}.{p}", "F32", (4, 4)) for i in range(3) for p in ("q", "k", "v")]
+    inputs = [t for t in inputs if t.name not in ("l.1.k", "l.2.v")]
+    inputs += [T("l.1.k", "F32", (2, 4))]
+    text = (
+        'merge "l.{i}.q", "l.{i}.k" dim 1 -> "l.{i}.qk"\n'
+        'transpose "l.{i}.qk" -> "l.{i}.t"\n'
+        'merge "l.{i}.t", "l.{i}.v" dim 0 -> "l.{i}.out"\n'
+    )
+    with pytest.raises(MappingError) as caught:
+        compile_text(text, inputs)
+    problems = [p.message for p in caught.value.problems]  # type: ignore[attr-defined]
+    assert len(problems) == 2, problems
+    assert problems[0].startswith('group i="1": ')
+    assert problems[1] == 'group i="2" is incomplete: missing `l.{i}.v` (pattern 2)'
+
+
 def test_warnings_go_to_the_plan_not_to_python() -> None:
     plan = compile_text(
         'warn if exists "a.*" "found {len(config.xs)} xs"\nkeep "**"\n', config={"xs": [1]}

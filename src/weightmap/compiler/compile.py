@@ -9,6 +9,7 @@ Problems are collected all the way and raised together as one :class:`CompileErr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
@@ -27,7 +28,7 @@ from weightmap.compiler.dtypefields import stale_dtype_fields
 from weightmap.compiler.files import apply_files_blocks, file_exists
 from weightmap.compiler.group import build_group, members_of
 from weightmap.compiler.names import MAX_NAME_CHARS, check_names
-from weightmap.compiler.ops import Match, build_simple, dtype_known, tensor_namer
+from weightmap.compiler.ops import Match, build_simple, dtype_known, output_name, tensor_namer
 from weightmap.compiler.outputs import check_member_files, families, place
 from weightmap.compiler.pattern import compile_pattern
 from weightmap.compiler.problems import Problems
@@ -393,6 +394,7 @@ def run_rules(
     ws.start(c.inputs)
     gone: dict[str, A.Loc] = {}  # input name -> the rule that last took a tensor made from it
     for r, rule in enumerate(rules):
+        ws.carry_failed(rule, scope)
         taken = ws.take(r)
         if len(rule.patterns) == 1:  # most rules: one pattern, found if anything was taken
             missing = [] if taken else list(rule.patterns)
@@ -410,7 +412,6 @@ def run_rules(
             ws.pass_on_all(taken, r)
             continue
         step = _Step(ws, rule, r, scope, c.report)
-        before = len(c.problems.raw)
         if rule.op in ("merge", "stack") or (rule.op in VALUE_OPS and len(rule.patterns) > 1):
             step.group(taken)
         elif rule.op in ("keep", "rename"):
@@ -420,8 +421,6 @@ def run_rules(
                 c.problems.tensor = item.spec.name  # a problem now is about this tensor
                 step.one(item, m)
             c.problems.tensor = None
-        if len(c.problems.raw) > before:
-            ws.failed_outputs.extend(rule.outputs)
         for item, _m in taken:
             node = item.node
             if type(node) is Source:  # an input as it came: its own one source, no call
@@ -475,6 +474,9 @@ class _Step:
             except LocatedProblem as p:  # shapes, dims, or an output name's template
                 self.report(p.loc, p.message)
                 self.ws.failed_rules.add(self.rule.loc)
+                with contextlib.suppress(LocatedProblem, EvalError):
+                    made = output_name(self.rule, self.scope.with_tensor(item.spec, m.caps))
+                    self.ws.failed_names.add(made)
         self.ws.record(item.spec.name, self.rule.loc, self.outs[0] if self.outs else "")
 
     def renames(self, taken: list[tuple[Item, Match]], problems: Problems) -> None:
@@ -537,19 +539,21 @@ class _Step:
 
         try:
             members = members_of(self.rule, set(self.scope.params))
-            left = build_group(
+            build_group(
                 self.rule,
                 members,
                 list(matches),
                 self.scope,
                 emit,
                 self.report,
-                failed=lambda p: self.ws.taken_by_failed_rule(p) or self.ws.made_by_failed_rule(p),
+                failed=lambda p, caps: (
+                    self.ws.taken_by_failed_rule(p) or self.ws.made_by_failed_rule(p, caps)
+                ),
+                lost=self.ws.failed_names.add,
             )
-            if left:  # (what it would have made is missing for a cause already said)
-                self.ws.failed_outputs.extend(self.rule.outputs)
         except LocatedProblem as p:  # the member scheme, or an output name's template
             self.report(p.loc, p.message)
+            self.ws.failed_outputs.extend(self.rule.outputs)  # (no group went through)
         loc = self.rule.loc
 
         def history() -> tuple[A.Loc, list[str], list[str]]:

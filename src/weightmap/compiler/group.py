@@ -13,6 +13,7 @@ All other captures form the group key, and the output template names the group.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,10 +29,11 @@ from weightmap.compiler.ops import (
     norm_dim,
     template_names,
 )
+from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import TensorSpec
 from weightmap.language import ast as A
 from weightmap.language.unparse import pattern_text
-from weightmap.language.values import Scope, show
+from weightmap.language.values import EvalError, Scope, show
 from weightmap.plan.nodes import Concat, Node, Same, Stack
 
 __all__ = ["Members", "build_group", "members_of"]
@@ -173,14 +175,15 @@ def build_group(
     scope: Scope,
     emit: Callable[[str, Node], None],
     report: Callable[[A.Loc | None, str], None],
-    failed: Callable[[A.Pattern], bool] = lambda pattern: False,
-) -> bool:
+    failed: Callable[[A.Pattern, dict[str, Any]], bool] = lambda pattern, caps: False,
+    lost: Callable[[str], None] = lambda name: None,
+) -> None:
     """Group ``matches`` and emit one Concat/Stack per complete, well-shaped group.
 
-    ``failed``: whether an earlier rule that reported a problem would have made (or took) what
-    a pattern names. A group missing only such members is left unsaid: its cause is. Returns
-    whether a group was left so (its output is then missing too, for the same cause)."""
-    left = False
+    ``failed(pattern, caps)``: whether an earlier rule that reported a problem took, or would
+    have made, the member a pattern names with a group's captures. A group missing only such
+    members is left unsaid: its cause is. ``lost(name)`` is told the output of each group that
+    failed or was left, for the rules after this one to leave unsaid in turn."""
     groups: dict[tuple[Any, ...], dict[Any, Match]] = {}
     key_of = _key_of(members.key)
     if members.kind == "int":  # (the commonest: experts by number) a C call, not a method
@@ -213,12 +216,8 @@ def build_group(
             else:
                 expected = list(range(len(rule.patterns)))
             absent = [x for x in expected if x not in by_member]
-            if (
-                members.kind == "patterns"
-                and absent
-                and all(failed(rule.patterns[x]) for x in absent)
-            ):
-                left = True
+            if absent and all(_member_failed(rule, members, x, caps, failed) for x in absent):
+                _lose(tmpl, scope, caps, lost)
                 continue
             missing = [members.label(x) for x in absent]
             if missing:
@@ -227,7 +226,31 @@ def build_group(
             emit(tmpl(Scope(scope.params, scope.config, caps)), _node(rule, ordered, scope, caps))
         except RuleProblem as p:
             report(p.loc, p.message if p.message.startswith(where) else f"{where}: {p.message}")
-    return left
+            _lose(tmpl, scope, caps, lost)
+
+
+def _member_failed(
+    rule: A.Rule,
+    members: Members,
+    member: int,
+    caps: dict[str, Any],
+    failed: Callable[[A.Pattern, dict[str, Any]], bool],
+) -> bool:
+    """Whether ``failed`` says the missing ``member`` of a group (an index into the patterns
+    or the words) was lost to an earlier failure."""
+    if members.kind == "patterns":
+        return failed(rule.patterns[member], caps)
+    if members.kind == "words" and members.var is not None:
+        return failed(rule.patterns[0], {**caps, members.var: members.words[member]})
+    return False
+
+
+def _lose(
+    tmpl: Callable[[Scope], str], scope: Scope, caps: dict[str, Any], lost: Callable[[str], None]
+) -> None:
+    """Tell ``lost`` the output name a group that did not go through would have had."""
+    with contextlib.suppress(LocatedProblem, EvalError):
+        lost(tmpl(Scope(scope.params, scope.config, caps)))
 
 
 def _family_size(rule: A.Rule, members: Members, scope: Scope) -> int | None:

@@ -17,12 +17,13 @@ demand), so a 100,000-tensor checkpoint costs one regex match per tensor and per
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from weightmap.compiler.ops import Match
+from weightmap.compiler.ops import Match, namer
 from weightmap.compiler.pattern import Alternative, Filter, Matcher, compile_pattern
 from weightmap.errors import LocatedProblem
 from weightmap.format.dtypes import TensorSpec
@@ -125,9 +126,12 @@ class WorkingSet:
     # Rules (by location) that failed on a tensor they took: it went nowhere, but nothing
     # dropped it, and a later rule's "matches nothing" must not say it did.
     failed_rules: set[A.Loc] = field(default_factory=set)
-    # The output templates of rules that reported a problem: what they did not make, a later
-    # rule's pattern finds nothing of, and its "matches nothing" would be the same error again.
+    # What rules that reported a problem did not make: their output templates (a rule that
+    # failed everywhere), and the names a rule that failed for some tensors or groups would
+    # have given them, carried through the rules after it (``carry_failed``). A later rule
+    # that finds one of them missing would say the same error again.
     failed_outputs: list[A.Template] = field(default_factory=list)
+    failed_names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.buckets = [[] for _ in self.router.rules]
@@ -275,13 +279,35 @@ class WorkingSet:
         hit = self._first_taken(pattern)
         return hit is not None and not hit[2] and hit[1] in self.failed_rules
 
-    def made_by_failed_rule(self, pattern: A.Pattern) -> bool:
-        """True when a rule that failed would have made a tensor ``pattern`` names: its
-        template filled with a digit or a letter for each hole matches the pattern (a guess,
-        used only to leave out a second error for a cause already reported)."""
-        if not self.failed_outputs:
-            return False
+    def carry_failed(self, rule: A.Rule, scope: Scope) -> None:
+        """Add what ``rule`` would have made of the names failed so far: a rule after a
+        failure takes what it can and goes on, and the tensor it would have made of the one
+        that failed is missing from the rules after it in turn."""
+        if not self.failed_names or not rule.outputs:
+            return  # (a rule that keeps names keeps a failed one failed)
+        for pattern in rule.patterns:
+            for name in list(self.failed_names):
+                caps = captures_of(pattern, name)
+                if caps is None:
+                    continue
+                for template in rule.outputs:
+                    with contextlib.suppress(LocatedProblem, EvalError):
+                        self.failed_names.add(
+                            namer(template)(Scope(scope.params, scope.config, caps))
+                        )
+
+    def made_by_failed_rule(self, pattern: A.Pattern, caps: dict[str, Any] | None = None) -> bool:
+        """True when a rule that failed would have made a tensor ``pattern`` names (with
+        ``caps``, the one it names with those captures): a failed name it matches, or a
+        failed rule's template filled with a digit or a letter for each hole (a guess, used
+        only to leave out a second error for a cause already reported)."""
+        if caps is not None:
+            name = pattern_name(pattern, caps)
+            if name is not None and name in self.failed_names:
+                return True
         rx = compile_pattern(pattern)
+        if any(map(rx.fullmatch, self.failed_names)):
+            return True
         for template in self.failed_outputs:
             for filler in ("0", "x"):
                 name = "".join(p if isinstance(p, str) else filler for p in template.parts)
@@ -318,3 +344,36 @@ def _collision(item: Item, other: Item) -> str:
         f"output `{item.spec.name}`{made_from} collides with `{other.spec.name}`, made by the "
         f"rule at {other.origin} and still in the working set: rename one of them"
     )
+
+
+def captures_of(pattern: A.Pattern, name: str) -> dict[str, Any] | None:
+    """The captures of ``pattern`` in ``name`` (``{n:int}`` ones as ints), or None."""
+    m = compile_pattern(pattern).fullmatch(name)
+    if m is None:
+        return None
+    return {
+        part.name: int(m[part.name]) if part.kind == "int" else m[part.name]
+        for part in pattern.parts
+        if isinstance(part, A.Capture)
+    }
+
+
+def pattern_name(pattern: A.Pattern, caps: dict[str, Any]) -> str | None:
+    """The name ``pattern`` names with ``caps`` for its captures (and ``_alt0``, ``_alt1``...
+    for its unnamed alternatives, as ``pattern_regex`` names them); None where it has a glob,
+    or a capture ``caps`` lacks."""
+    out = []
+    alts = 0
+    for part in pattern.parts:
+        key = None
+        if isinstance(part, A.Alt):
+            key, alts = f"_alt{alts}", alts + 1
+        elif isinstance(part, A.Capture):
+            key = part.name
+        if isinstance(part, str):
+            out.append(part)
+        elif key is not None and key in caps:
+            out.append(str(caps[key]))
+        else:
+            return None
+    return "".join(out)
