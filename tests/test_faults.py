@@ -242,13 +242,37 @@ def test_input_changed_during_conversion(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["in"]
 
 
-def test_input_replaced_between_open_and_run(tmp_path: Path) -> None:
+def test_input_replaced_between_open_and_run_is_read_as_opened(tmp_path: Path) -> None:
+    """A file put in the input's place (a new file renamed over it, as save_file writes) does
+    not reach the output: every read goes through the descriptor the checkpoint opened, so
+    the conversion reads the file it checked and planned for, start to end."""
     src = tmp_path / "in"
     src.mkdir()
     save_file({"w": torch.zeros(8)}, src / "model.safetensors")
     with Checkpoint.open(src) as ckpt:
         plan = weightmap.compile(ckpt, mapping=CAST)
         save_file({"w": torch.ones(8)}, src / "model.safetensors")  # same shape, new bytes
+        from weightmap.execute.streaming import execute
+
+        execute(plan, ckpt, tmp_path / "out")
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(out["w"], torch.zeros(8, dtype=torch.bfloat16))
+
+
+def test_input_rewritten_in_place_between_open_and_run(tmp_path: Path) -> None:
+    """The same file written over (its inode, which the checkpoint reads through): refused,
+    as its size or modification time no longer match what its header was read with."""
+    src = tmp_path / "in"
+    src.mkdir()
+    shard = src / "model.safetensors"
+    save_file({"w": torch.zeros(8)}, shard)
+    with Checkpoint.open(src) as ckpt:
+        plan = weightmap.compile(ckpt, mapping=CAST)
+        with shard.open("r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\x00\x00\x80\x3f")  # the last value: 1.0
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         from weightmap.execute.streaming import execute
 
         with pytest.raises(FormatError, match="changed"):

@@ -249,3 +249,98 @@ def test_the_side_files_space_is_reserved_before_any_tensor(
     assert not out.exists()
     # The tokenizer's bytes and the sparse file's allocated blocks, not its 64 MiB.
     assert asked and 300_000 <= asked[0] < 300_000 + 2**20
+
+
+# ---------------------------------------------------------------- weight files, opened once
+
+# Opens (of any kind, by any name) of each weight file read-only, counted by an audit hook in
+# a child process: os.open and open() raise the "open" event, a name relative to a folder's
+# descriptor included; a map or a read through a descriptor raises none.
+_COUNT_OPENS = """
+import collections, json, os, sys
+import weightmap
+
+names = set(json.loads(sys.argv[2]))
+seen = collections.Counter()
+
+def hook(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else os.O_RDONLY
+        name = os.path.basename(os.fsdecode(args[0]))
+        if name in names and flags & os.O_ACCMODE == os.O_RDONLY:
+            seen[name] += 1
+
+sys.addaudithook(hook)
+src, out, mode = sys.argv[1], sys.argv[3], sys.argv[4]
+mapping = 'weightmap 1\\ncast "a.{n}" to bf16\\nrename "b.{n}" -> "c.{n}"\\n'
+if mode == "remap":
+    weightmap.remap(src, out, mapping=mapping, verify=True, progress=False)
+else:
+    for _name, _tensor in weightmap.iter_tensors(src, mapping=mapping):
+        pass
+print(json.dumps(seen))
+"""
+
+
+def _two_shards(root: Path, pickled: bool) -> list[str]:
+    """A checkpoint of two shards under names of its own (the output's are the standard
+    ones, so they are not counted), with an index; the shards' names."""
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    ext = "bin" if pickled else "safetensors"
+    names = [f"part-a.{ext}", f"part-b.{ext}"]
+    weight_map = {}
+    for i, name in enumerate(names):
+        tensors = {f"a.{i}": torch.arange(64.0).reshape(8, 8), f"b.{i}": torch.ones(4, 4)}
+        if pickled:
+            torch.save(tensors, root / name)
+        else:
+            save_file(tensors, root / name)
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = "pytorch_model.bin.index.json" if pickled else "model.safetensors.index.json"
+    (root / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return names
+
+
+@pytest.mark.parametrize("pickled", [False, True], ids=["safetensors", "pytorch"])
+@pytest.mark.parametrize("mode", ["remap", "iter_tensors"])
+def test_each_weight_file_is_opened_once(tmp_path: Path, pickled: bool, mode: str) -> None:
+    """Its kind, its header, its map, the copies of its bytes and the verification's reads all
+    go through one descriptor: a name is never looked up again once checked."""
+    names = _two_shards(tmp_path / "src", pickled)
+    r = subprocess.run(
+        [sys.executable, "-c", _COUNT_OPENS, str(tmp_path / "src"), json.dumps(names),
+         str(tmp_path / "out"), mode],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == dict.fromkeys(names, 1)
+
+
+def test_a_weight_file_swapped_after_it_was_opened_is_not_read(tmp_path: Path) -> None:
+    """Another file of the same size and modification time put under a shard's name once the
+    checkpoint is open (a swap no size or time check can see) does not reach the output: the
+    conversion reads the file it checked."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    names = _two_shards(tmp_path / "src", pickled=False)
+    shard = tmp_path / "src" / names[0]
+    impostor = tmp_path / "impostor.safetensors"
+    save_file({"a.0": torch.full((8, 8), 7.0), "b.0": torch.full((4, 4), 7.0)}, impostor)
+    assert impostor.stat().st_size == shard.stat().st_size
+    with Checkpoint.open(tmp_path / "src") as ckpt:
+        plan = weightmap.compile(ckpt, mapping=KEEP_ALL)
+        st = shard.stat()
+        os.utime(impostor, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(impostor, shard)
+        from weightmap.execute.streaming import execute
+
+        execute(plan, ckpt, tmp_path / "out")
+    out: dict[str, torch.Tensor] = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        out.update(load_file(f))
+    assert torch.equal(out["a.0"], torch.arange(64.0).reshape(8, 8))
+    assert torch.equal(out["b.0"], torch.ones(4, 4))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import weightmap
 from races import swap_after_check
 from weightmap.errors import CheckpointError
-from weightmap.inputs import opening
+from weightmap.inputs import checkpoint as checkpoint_module
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.diff import diff_checkpoints
 
@@ -377,7 +377,8 @@ def test_a_shard_swapped_for_a_link_between_the_opens_check_and_the_open_is_neve
     torch.save({"a": torch.ones(2)}, shard)
     outside = tmp_path / "someone-elses.bin"
     torch.save({"a": torch.full((2,), 7.0)}, outside)
-    swapped = swap_after_check(monkeypatch, shard, outside, opening, "resolve_path")
+    # (The resolution whose result is checked, then opened: the weight file's, checkpoint.py.)
+    swapped = swap_after_check(monkeypatch, shard, outside, checkpoint_module, "resolve_path")
     with pytest.raises(CheckpointError) as info:
         Checkpoint.open(src)
     assert swapped and info.value.rule == "changed"

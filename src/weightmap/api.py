@@ -492,15 +492,15 @@ def iter_tensors(
         opened.__exit__(None, None, None)
         raise
     make_room(len(ckpt.files))  # (a view of each input shard stays mapped while yielding)
-    if not rules.inputs:
-        return iter_outputs(plan, ckpt, token)
+    # The opened inputs go with the iterator: dropped here, the checkpoint would be closed as
+    # they were freed, its files with it, before the first tensor was read.
     return _closing(iter_outputs(plan, ckpt, token), opened)
 
 
 def _closing(
     tensors: Iterator[tuple[str, torch.Tensor]], opened: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``tensors``, then the declared inputs closed (``_opened``), however the loop ends."""
+    """``tensors``, then the inputs closed (``_opened``), however the loop ends."""
     try:
         yield from tensors
     finally:

@@ -237,6 +237,7 @@ def plan_writer(
             inputs=files,
             layout=layout,
             members=plan.members(),
+            held=ckpt.descriptors,
         )
     for fname, blob in extra_files:
         writer.add_file(fname, blob)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,10 +94,14 @@ def check_inputs(plan: Plan, ckpt: Checkpoint) -> None:
 
 
 def check_unchanged(ckpt: Checkpoint) -> None:
-    """Refuse if any file's size or modification time differs from when its header was read."""
+    """Refuse if any file's size or modification time differs from when its header was read:
+    through the descriptor it was read through (the file itself, whatever its name leads to
+    now), or, for a file the checkpoint holds none of, by its name."""
+    held = ckpt.descriptors
     for path, header in ckpt.headers.items():
         try:
-            st = path.stat()
+            fd = held.get(path)
+            st = os.fstat(fd) if fd is not None else path.stat()
         except FileNotFoundError:
             raise FormatError(
                 "file disappeared while the conversion ran", path=path, rule="changed"
@@ -179,21 +183,28 @@ def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: dict[Path, int])
 
 
 @contextmanager
-def descriptors() -> Iterator[dict[Path, int]]:
-    """The file descriptors ``crc_of_ranges`` opens as it goes, closed at the end."""
-    fds: dict[Path, int] = {}
+def descriptors(held: Mapping[Path, int] | None = None) -> Iterator[dict[Path, int]]:
+    """The file descriptors ``crc_of_ranges`` reads through: ``held`` (a checkpoint's own,
+    ``Checkpoint.descriptors``: its files as it opened them once), and those it opens as it
+    goes for the files ``held`` lacks, which are closed at the end."""
+    own = dict(held or {})
+    fds = dict(own)
     try:
         yield fds
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        for path, fd in fds.items():
+            if own.get(path) != fd:
+                os.close(fd)
 
 
 def _checksum(
-    names: list[tuple[str, list[tuple[Path, int, int]]]], into: dict[str, int], halt: CancelToken
+    names: list[tuple[str, list[tuple[Path, int, int]]]],
+    into: dict[str, int],
+    halt: CancelToken,
+    held: Mapping[Path, int],
 ) -> None:
-    """CRC-32 of copied tensors, read from their input ranges."""
-    with descriptors() as fds:
+    """CRC-32 of copied tensors, read from their input ranges (through ``held``)."""
+    with descriptors(held) as fds:
         for name, ranges in names:
             halt.check()
             into[name] = crc_of_ranges(ranges, fds)
@@ -457,7 +468,8 @@ def execute(
             if counts.stats.checksums is not None:
                 ranges = [(name, sources.ranges(name)) for name in sources.copied]
                 for group in _batches(ranges, lambda r: sum(x[2] for x in r[1]), COPY_PIECE):
-                    tasks.append(partial(_checksum, group, counts.stats.checksums, halt))
+                    checksums = counts.stats.checksums
+                    tasks.append(partial(_checksum, group, checksums, halt, ckpt.descriptors))
             _run_all(tasks, n_workers, halt, partial(_meanwhile_writes, writer))
             halt.check()
             # An input rewritten under us may have fed some tensors old bytes and some new:

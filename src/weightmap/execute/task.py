@@ -21,7 +21,7 @@ from types import MappingProxyType
 from weightmap.errors import ExecutionError
 from weightmap.execute.compute import Computer
 from weightmap.execute.partition import TaskReport, TaskSpec, code_digest
-from weightmap.execute.streaming import check_unchanged, crc_of_ranges
+from weightmap.execute.streaming import check_unchanged, crc_of_ranges, descriptors
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.transfer import DIRECT_ALIGN, DirectWrites
 from weightmap.format.writer import transfer_piece
@@ -110,29 +110,21 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
         by_file[file][name] = info
     headers: dict[Path, Header] = {}
     tensors: dict[str, tuple[Path, TensorInfo]] = {}
-    for number in sorted(numbers):
-        f = spec.inputs[number]
-        path = Path(f.path)
-        if not path.exists():
-            raise ExecutionError(
-                f"{path} is not there on {host_name()}: the input must be on a filesystem every "
-                "node mounts at the same path (or it was removed during the conversion); "
-                "nothing was written under that name"
-            )
-        if f.pickle:
-            # A PyTorch checkpoint's offsets and strides are the archive's, read on this node
-            # (its header's own stat is set to the driver's, so that a file that differs
-            # here fails the check below with the driver's message).
-            node_header, _ = read_pickle(path)
-            if f.prefix:
-                node_header = prefixed_header(node_header, f.prefix)
-            headers[path] = replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns)
-        else:
-            headers[path] = Header(
-                f.path, f.header_size, by_file[number], None, f.file_size, f.mtime_ns
-            )
-        tensors.update((name, (path, info)) for name, info in by_file[number].items())
-    ckpt = Checkpoint(path.parent if headers else Path(spec.folder), headers, tensors, None, None)
+    # Each file opened once on this node (by its path: the driver's descriptors do not cross
+    # machines), and read through that descriptor from the check below to the last copy.
+    fds: dict[Path, int] = {}
+    try:
+        for number in sorted(numbers):
+            _input(spec, number, by_file, headers, tensors, fds)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    ckpt = Checkpoint(
+        next(iter(headers)).parent if headers else Path(spec.folder), headers, tensors, None, None
+    )
+    for path, fd in fds.items():
+        ckpt.adopt(path, fd)
     ckpt.prefixes = MappingProxyType(
         {Path(f.path): f.prefix for f in spec.inputs if f.prefix and Path(f.path) in headers}
     )
@@ -140,6 +132,40 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
     # or a node that sees another version of it.
     check_unchanged(ckpt)
     return ckpt
+
+
+def _input(
+    spec: TaskSpec,
+    number: int,
+    by_file: dict[int, dict[str, TensorInfo]],
+    headers: dict[Path, Header],
+    tensors: dict[str, tuple[Path, TensorInfo]],
+    fds: dict[Path, int],
+) -> None:
+    """Input file ``number`` of the task opened (into ``fds``), its header and tensors added."""
+    f = spec.inputs[number]
+    path = Path(f.path)
+    try:
+        fd = fds[path] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ExecutionError(
+            f"{path} is not there on {host_name()}: the input must be on a filesystem every "
+            "node mounts at the same path (or it was removed during the conversion); "
+            "nothing was written under that name"
+        ) from None
+    if f.pickle:
+        # A PyTorch checkpoint's offsets and strides are the archive's, read on this node
+        # (its header's own stat is set to the driver's, so that a file that differs here
+        # fails the check below with the driver's message).
+        node_header, _ = read_pickle(path, fd=fd)
+        if f.prefix:
+            node_header = prefixed_header(node_header, f.prefix)
+        headers[path] = replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns)
+    else:
+        headers[path] = Header(
+            f.path, f.header_size, by_file[number], None, f.file_size, f.mtime_ns
+        )
+    tensors.update((name, (path, info)) for name, info in by_file[number].items())
 
 
 class _Progress:
@@ -174,7 +200,6 @@ def run_task(spec: TaskSpec, report: Callable[[int], None] | None = None) -> Tas
     progress = _Progress(report)
     counts = {"cloned": 0, "copied": 0, "computed": 0}
     crcs: list[tuple[str, int, int, int]] = []
-    fds: dict[Path, int] = {}
     try:
         if spec.computes:
             where = {
@@ -189,25 +214,23 @@ def run_task(spec: TaskSpec, report: Callable[[int], None] | None = None) -> Tas
                 counts["computed"] += unit.length
                 if spec.checksum:
                     crcs.append((unit.name, unit.offset, unit.length, crc))
+        held = ckpt.descriptors
         for piece in spec.copies:
             src = Path(spec.inputs[piece.file].path)
-            if src not in fds:
-                fds[src] = os.open(src, os.O_RDONLY)
             cloned = transfer_piece(
-                fds[src], shards.fd(piece.shard), piece, spec.shards[piece.shard]
+                held[src], shards.fd(piece.shard), piece, spec.shards[piece.shard]
             )
             counts["cloned" if cloned else "copied"] += piece.length
             shards.written[piece.shard] += piece.length
             progress.add(piece.length)
-        for check in spec.checksums:
-            ranges = [(Path(spec.inputs[f].path), off, n) for f, off, n in check.ranges]
-            crcs.append((check.name, check.offset, check.length, crc_of_ranges(ranges, fds)))
+        with descriptors(ckpt.descriptors) as fds:
+            for check in spec.checksums:
+                ranges = [(Path(spec.inputs[f].path), off, n) for f, off, n in check.ranges]
+                crcs.append((check.name, check.offset, check.length, crc_of_ranges(ranges, fds)))
         shards.sync()
     finally:
         shards.close()
         ckpt.close()
-        for fd in fds.values():
-            os.close(fd)
     progress.close()
     return TaskReport(
         index=spec.index,

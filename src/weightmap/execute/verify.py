@@ -39,7 +39,7 @@ def check_output(
     seconds)."""
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(_open_written(dest, plan))
-        fds = stack.enter_context(descriptors())
+        fds = stack.enter_context(descriptors(ckpt.descriptors))
         make_room(len(ckpt.files))
         problems = differences(plan, ckpt, checksums, fds, check)
     check()
@@ -96,7 +96,7 @@ def recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
     check_inputs(plan, ckpt)
     safetensors = ckpt.format == "safetensors"
     found: dict[str, int] = {}
-    with descriptors() as fds:
+    with descriptors(ckpt.descriptors) as fds:
         for out in plan.outputs:
             if not out.spec.nbytes:
                 continue

@@ -36,6 +36,7 @@ __all__ = [
     "TensorTable",
     "parse_header",
     "read_header",
+    "read_header_fd",
 ]
 
 # The reference implementation refuses larger headers; so do we, before allocating anything.
@@ -721,42 +722,63 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     try:
         # NONBLOCK: a FIFO swapped in since the folder was listed is refused, not waited on.
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError
-            if not stat.S_ISREG(st.st_mode):
-                raise _fail(p, "not-a-file", f"is a {kind(st.st_mode)}, not a safetensors file")
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise _fail(
-                    p,
-                    "too-small",
-                    f"file has {len(prefix)} bytes; a safetensors file needs "
-                    "at least 8 (the header length)",
-                )
-            (size,) = struct.unpack("<Q", prefix)
-            if size > MAX_HEADER_SIZE:
-                raise _fail(
-                    p,
-                    "header-too-large",
-                    f"header length {size} exceeds the {MAX_HEADER_SIZE}-byte cap"
-                    + _not_safetensors(prefix),
-                )
-            if 8 + size > st.st_size:
-                raise _fail(
-                    p,
-                    "header-beyond-file",
-                    f"header length {size} runs past the end of the {st.st_size}-byte file"
-                    + _not_safetensors(prefix),
-                )
-            raw = f.read(size)
     except FileNotFoundError:
         raise _fail(p, "missing", "file does not exist") from None
-    except IsADirectoryError:
-        raise _fail(p, "not-a-file", "is a directory, not a safetensors file") from None
+    try:
+        return read_header_fd(fd, p)
+    finally:
+        os.close(fd)
+
+
+def read_header_fd(fd: int, path: str | os.PathLike[str]) -> Header:
+    """:func:`read_header` of the file open as ``fd`` (named ``path`` in errors), read with
+    ``pread``: the descriptor's offset is left as it was, for whoever reads it next."""
+    p = os.fspath(path)
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        raise _fail(p, "not-a-file", "is a directory, not a safetensors file")
+    if not stat.S_ISREG(st.st_mode):
+        raise _fail(p, "not-a-file", f"is a {kind(st.st_mode)}, not a safetensors file")
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        raise _fail(
+            p,
+            "too-small",
+            f"file has {len(prefix)} bytes; a safetensors file needs "
+            "at least 8 (the header length)",
+        )
+    (size,) = struct.unpack("<Q", prefix)
+    if size > MAX_HEADER_SIZE:
+        raise _fail(
+            p,
+            "header-too-large",
+            f"header length {size} exceeds the {MAX_HEADER_SIZE}-byte cap"
+            + _not_safetensors(prefix),
+        )
+    if 8 + size > st.st_size:
+        raise _fail(
+            p,
+            "header-beyond-file",
+            f"header length {size} runs past the end of the {st.st_size}-byte file"
+            + _not_safetensors(prefix),
+        )
+    raw = _pread_all(fd, size, 8)
     if len(raw) != size:
         raise _fail(p, "truncated", "file shrank while its header was being read")
     return parse_header(
         raw, header_size=size, file_size=st.st_size, path=p, mtime_ns=st.st_mtime_ns
     )
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes from ``offset`` (fewer where the file ends first): ``pread`` may return
+    less than asked, on a network file system or past 2 GiB."""
+    parts = []
+    while size > 0:
+        chunk = os.pread(fd, size, offset)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)

@@ -232,6 +232,7 @@ class CheckpointWriter:
         inputs: Sequence[str | os.PathLike[str]] = (),
         layout: Layouts = "clone",
         members: Sequence[tuple[str, str]] = (),
+        held: Mapping[Path, int] | None = None,
     ) -> None:
         self.dest = destination_path(Path(dest))
         names = specs.names if isinstance(specs, SpecTable) else [s.name for s in specs]
@@ -248,6 +249,9 @@ class CheckpointWriter:
         self.shards = list(planned.shards)
         self.copies = planned.copies
         self._inputs = [Path(p) for p in inputs]
+        # The inputs as their checkpoint opened them once (its own: read, never closed here);
+        # an input not among them is opened by name, and closed once copied from.
+        self._input_fds = dict(held or {})
         # (The index lists the main checkpoint's shards, which come first; not the members'.)
         # Where each shard's data starts: the headers themselves (a hundred bytes per tensor)
         # are let go once open() has written them (``shards`` then hold empty ones).
@@ -333,7 +337,10 @@ class CheckpointWriter:
                 os.ftruncate(fd, shard.size)
                 self.shards[i] = replace(shard, header=b"")  # (written: see data_starts)
             for number in sorted({c.file for c in self.copies}):
-                self._src[number] = os.open(self._inputs[number], os.O_RDONLY)
+                src_fd = self._input_fds.get(self._inputs[number])
+                self._src[number] = (
+                    src_fd if src_fd is not None else os.open(self._inputs[number], os.O_RDONLY)
+                )
             self._probe_clones()
             self._pieces = self._cut_copies()
             self._reserve()
@@ -564,9 +571,11 @@ class CheckpointWriter:
         return cloned
 
     def _close_inputs(self) -> None:
+        held = set(self._input_fds.values())
         for fd in self._src.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd not in held:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self._src.clear()
 
     def add_file(self, name: str, data: bytes) -> None:

@@ -14,6 +14,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -24,12 +25,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from weightmap.errors import CheckpointError, FormatError
 from weightmap.format.dtypes import DTYPES, SpecTable, TensorSpec, sized_specs
-from weightmap.format.header import Header, TensorInfo, TensorTable, read_header
+from weightmap.format.header import Header, TensorInfo, TensorTable, read_header_fd
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8
+from weightmap.fs.fdlimit import make_room
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
+from weightmap.fs.safeopen import open_resolved
 from weightmap.inputs.opening import read_folder_json
 from weightmap.inputs.pickles import (
     PickleHeader,
@@ -39,7 +42,7 @@ from weightmap.inputs.pickles import (
     release_pages,
 )
 from weightmap.inputs.sidefiles import cache_blobs, resolve_path
-from weightmap.inputs.sniff import refuse_foreign, sniff
+from weightmap.inputs.sniff import refuse_foreign, sniff_fd
 
 if TYPE_CHECKING:
     import torch
@@ -98,13 +101,17 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
     return path
 
 
-def refuse_escape(root: Path, path: Path, listed_in: Path | None = None) -> None:
+def refuse_escape(root: Path, path: Path, listed_in: Path | None = None) -> Path | None:
     """Refuse (``shard-escape``) the weight file ``path`` of folder ``root`` where it is a link
     that leaves the folder (see :func:`leaves_folder`); the error names ``listed_in`` (the
-    index that names the file), or the file itself."""
+    index that names the file), or the file itself. Returns where the name leads, as checked
+    (None for a loop of links: it is refused as it is opened)."""
     try:
-        outside = leaves_folder(root, path)
+        resolved = resolve_path(path)
+        outside = _outside(root, resolved)
     except OSError as err:  # e.g. a name longer than the file system allows
+        if err.errno == errno.ELOOP:
+            return None
         raise CheckpointError(
             f"shard {path.name[:80]!r} cannot be resolved ({err.strerror})",
             path=listed_in or path,
@@ -119,6 +126,41 @@ def refuse_escape(root: Path, path: Path, listed_in: Path | None = None) -> None
             path=listed_in or path,
             rule="shard-escape",
         )
+    return resolved
+
+
+def open_weight(path: Path, resolved: Path | None) -> int:
+    """The weight file ``path`` opened once, read-only, at ``resolved`` (where
+    :func:`refuse_escape` found its name leads), one folder at a time without following a
+    link (``fs/safeopen.open_resolved``): a part of the path swapped for a link since it was
+    checked fails the open (``changed``), and what is read is the file that was checked.
+    Every later read of the file (its kind, its header, its map, the copies of its bytes)
+    goes through this descriptor, not the name."""
+    if resolved is None:
+        raise CheckpointError(
+            "is a link that cannot be followed (a loop of links); fix or remove the link",
+            path=path,
+            rule="dangling-link",
+        )
+    try:
+        return open_resolved(resolved)
+    except FileNotFoundError:
+        if (broken := _broken_link(path)) is not None:
+            raise CheckpointError(
+                f"{broken}; fix or remove the link", path=path, rule="dangling-link"
+            ) from None
+        raise FormatError("file does not exist", path=path, rule="missing") from None
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CheckpointError(
+                f"changed while it was opened (it is a link now: {err.strerror}); nothing was "
+                "read from it: run again once the folder holds still",
+                path=path,
+                rule="changed",
+            ) from None
+        raise CheckpointError(
+            f"cannot be opened ({err.strerror}); make it readable", path=path, rule="unreadable"
+        ) from None
 
 
 def leaves_folder(root: Path, path: Path) -> Path | None:
@@ -136,6 +178,11 @@ def leaves_folder(root: Path, path: Path) -> Path | None:
         if err.errno != errno.ELOOP:
             raise
         return None
+    return _outside(root, resolved)
+
+
+def _outside(root: Path, resolved: Path) -> Path | None:
+    """``resolved`` where it is outside folder ``root`` and its hub cache's blobs; else None."""
     real_root = resolve_path(root)
     blobs = cache_blobs(real_root)
     in_cache = blobs is not None and resolved.parent == blobs
@@ -283,6 +330,29 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
     return loaded
 
 
+def _close_all(fds: dict[Path, int]) -> None:
+    """Close every descriptor of ``fds`` and empty it."""
+    while fds:
+        _path, fd = fds.popitem()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Descriptors:
+    """A checkpoint's weight files as opened once (``open_weight``), and whether it closes
+    them: a joined checkpoint (several inputs, ``join.py``) reads through its parts' own
+    descriptors, which the parts close."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+        self.owned = True
+
+    def close(self) -> None:
+        if self.owned:
+            _close_all(self.fds)
+        self.fds.clear()
+
+
 def refuse_missing(p: Path) -> None:
     """Raise the error of a checkpoint path that is not there (a dangling link said as one)."""
     if p.exists():
@@ -322,6 +392,11 @@ class Checkpoint:
         self._config = config
         self.index_path = index_path
         self._maps: dict[Path, mmap.mmap] = {}
+        # Each weight file, opened once (open_weight): read through it alone. Closed by close(),
+        # or when the checkpoint is freed unclosed.
+        self._held = _Descriptors()
+        self._fds = self._held.fds
+        weakref.finalize(self, self._held.close)
         self._loaded: dict[Path, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         # The tensors that are no byte range (strided PyTorch tensors): none in safetensors.
@@ -543,34 +618,45 @@ class Checkpoint:
         # 100,000 tensors). The table of names to entries is made only when first asked for.
         seen: set[str] = set()
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
-        for f in files:
-            header: Header
-            # Whatever found it (an index, the folder's usual names, the caller), a weight
-            # file that is a link must stay in its folder, or lead into the hub cache's blobs:
-            # a downloaded folder's model.safetensors linked to a private checkpoint elsewhere
-            # would otherwise be converted into an output its user may publish.
-            refuse_escape(root, f)
-            kind = "pytorch" if is_pickle(f) else sniff(f)  # (by its bytes, whatever its name)
-            if kind == "pytorch":
-                # Checked again as it is opened, on the path that is opened.
-                header, loaded[f] = read_pickle(f, root)
-            else:
-                refuse_foreign(f, kind)
-                header = read_header(f)
-            if not seen.isdisjoint(header.tensors):
-                name = next(n for n in header.tensors if n in seen)
-                first = next(p for p, h in headers.items() if name in h.tensors)
-                raise CheckpointError(
-                    f"tensor is stored in both {first.name} and {f.name}",
-                    path=f,
-                    tensor=name,
-                    rule="duplicate-name",
-                )
-            headers[f] = header
-            seen.update(header.tensors)
-            if each is not None:
-                each(f, header)
-        ckpt = cls(root, headers, None, _read_config(root, CONFIG_NAME), index_path)
+        fds: dict[Path, int] = {}
+        # Every file stays open while the checkpoint is: room for them all, first (a soft limit
+        # of 1,024 open files and a checkpoint of more shards, fs/fdlimit.py).
+        make_room(len(files))
+        try:
+            for f in files:
+                header: Header
+                # Whatever found it (an index, the folder's usual names, the caller), a weight
+                # file that is a link must stay in its folder, or lead into the hub cache's
+                # blobs: a downloaded folder's model.safetensors linked to a private checkpoint
+                # elsewhere would otherwise be converted into an output its user may publish.
+                # Then it is opened once, where it was checked to lead, and read through that
+                # descriptor alone from here to the last byte copied.
+                fd = fds[f] = open_weight(f, refuse_escape(root, f))
+                # (By its bytes, whatever its name.)
+                kind = "pytorch" if is_pickle(f) else sniff_fd(fd, f)
+                if kind == "pytorch":
+                    header, loaded[f] = read_pickle(f, fd=fd)
+                else:
+                    refuse_foreign(f, kind)
+                    header = read_header_fd(fd, f)
+                if not seen.isdisjoint(header.tensors):
+                    name = next(n for n in header.tensors if n in seen)
+                    first = next(p for p, h in headers.items() if name in h.tensors)
+                    raise CheckpointError(
+                        f"tensor is stored in both {first.name} and {f.name}",
+                        path=f,
+                        tensor=name,
+                        rule="duplicate-name",
+                    )
+                headers[f] = header
+                seen.update(header.tensors)
+                if each is not None:
+                    each(f, header)
+            ckpt = cls(root, headers, None, _read_config(root, CONFIG_NAME), index_path)
+        except BaseException:
+            _close_all(fds)
+            raise
+        ckpt._fds.update(fds)
         ckpt._loaded = loaded
         return ckpt
 
@@ -713,21 +799,45 @@ class Checkpoint:
         with self._lock:
             mm = self._maps.get(path)
             if mm is None:
-                with path.open("rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size != self.headers[path].file_size:
-                        raise FormatError(
-                            f"file changed since it was opened ({size} bytes, expected "
-                            f"{self.headers[path].file_size})",
-                            path=path,
-                            rule="changed",
-                        )
-                    # ACCESS_COPY gives a writable buffer (torch.frombuffer warns on read-only
-                    # ones) whose pages stay shared with the page cache until written, which we
-                    # never do.
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                self._maps[path] = mm
+                fd = self._fds.get(path)
+                if fd is None:
+                    raise CheckpointError(
+                        "is closed: the checkpoint was closed before its tensors were read",
+                        path=path,
+                        rule="closed",
+                    )
+                size = os.fstat(fd).st_size
+                if size != self.headers[path].file_size:
+                    raise FormatError(
+                        f"file changed since it was opened ({size} bytes, expected "
+                        f"{self.headers[path].file_size})",
+                        path=path,
+                        rule="changed",
+                    )
+                # ACCESS_COPY gives a writable buffer (torch.frombuffer warns on read-only
+                # ones) whose pages stay shared with the page cache until written, which we
+                # never do. (The map holds a descriptor of its own.)
+                mm = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             return mm
+
+    def adopt(self, path: Path, fd: int) -> None:
+        """Read ``path``, one of this checkpoint's files, through ``fd``, which the checkpoint
+        now owns (a checkpoint made from headers read elsewhere: a task on another node)."""
+        self._fds[path] = fd
+
+    def borrow(self, others: Iterable[Checkpoint]) -> None:
+        """Read through the weight files of ``others`` as they opened them (a join of them):
+        their descriptors, which they, not this checkpoint, close (after it is done)."""
+        self._held.owned = False
+        for other in others:
+            self._fds.update(other._fds)
+
+    @property
+    def descriptors(self) -> Mapping[Path, int]:
+        """Each weight file as this checkpoint opened it once, and reads it through: the
+        checkpoint's own descriptors (read through them; never close them). Empty once
+        closed."""
+        return MappingProxyType(self._fds)
 
     def view(self, name: str) -> torch.Tensor:
         """A zero-copy torch tensor over the memory-mapped bytes of ``name``.
@@ -811,6 +921,7 @@ class Checkpoint:
         with self._lock:
             self._maps.clear()
             self._loaded.clear()
+            self._held.close()
 
     def __enter__(self) -> Checkpoint:
         return self

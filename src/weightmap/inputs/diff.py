@@ -88,18 +88,15 @@ def _same_bytes(a: Checkpoint, b: Checkpoint, name: str) -> bool:
     la, lb = a.location(name), b.location(name)
     if la.length != lb.length:
         return False
-    fa, fb = os.open(la.path, os.O_RDONLY), os.open(lb.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < la.length:
-            n = min(_BLOCK, la.length - done)
-            if os.pread(fa, n, la.offset + done) != os.pread(fb, n, lb.offset + done):
-                return False
-            done += n
-        return True
-    finally:
-        os.close(fa)
-        os.close(fb)
+    # Through the descriptors each checkpoint opened its files as, once.
+    fa, fb = a.descriptors[la.path], b.descriptors[lb.path]
+    done = 0
+    while done < la.length:
+        n = min(_BLOCK, la.length - done)
+        if os.pread(fa, n, la.offset + done) != os.pread(fb, n, lb.offset + done):
+            return False
+        done += n
+    return True
 
 
 def _same_file(fa: int, fb: int, size: int) -> bool:

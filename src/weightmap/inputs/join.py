@@ -51,6 +51,7 @@ def join(
             if path in ckpt._loaded:
                 loaded[path] = {prefix + n: t for n, t in ckpt._loaded[path].items()}
     joined = Checkpoint(main.root, headers, tensors, main.config, main.index_path)
+    joined.borrow([main, *(ckpt for _prefix, ckpt in parts)])
     joined._loaded = loaded
     joined.prefixes = MappingProxyType(prefixes)
     return joined

@@ -314,16 +314,19 @@ def _open(p: Path) -> int:
 
 
 def read_pickle(
-    path: str | os.PathLike[str], within: Path | None = None
+    path: str | os.PathLike[str], within: Path | None = None, *, fd: int | None = None
 ) -> tuple[PickleHeader, dict[str, torch.Tensor]]:
     """Read a PyTorch checkpoint: its header (names, dtypes, shapes, byte ranges) and its
     tensors, each a copy-on-write view of the memory-mapped file.
 
     ``within``: the folder the file must stay in (a shard an index names), checked on the
-    file as it is opened, not on its name beforehand.
+    file as it is opened, not on its name beforehand. ``fd``: the file, already opened and
+    checked by the caller, who keeps it (read through it, and left open).
     """
     p = Path(path)
-    fd = _open(p) if within is None else open_in_folder(within, p, f"shard {p.name!r}")
+    own = fd is None
+    if fd is None:
+        fd = _open(p) if within is None else open_in_folder(within, p, f"shard {p.name!r}")
     try:
         st = os.fstat(fd)
         # Every later read goes through the descriptor's own name: a file swapped since it
@@ -332,7 +335,8 @@ def read_pickle(
         members, byteorder = _members(p, source)
         tensors = _state_dict(p, _load(p, source))
     finally:
-        os.close(fd)  # (torch's map of the file keeps it)
+        if own:
+            os.close(fd)  # (torch's map of the file keeps it)
     if byteorder not in (None, b"little"):
         raise _fail(p, "was saved on a big-endian machine; weightmap reads little-endian data")
     names = _torch_dtypes()

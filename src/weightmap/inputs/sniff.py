@@ -18,7 +18,7 @@ from weightmap.errors import CheckpointError
 from weightmap.fs.safeopen import fd_path, open_resolved, regular
 from weightmap.inputs.sidefiles import resolve_path
 
-__all__ = ["Kind", "refuse_foreign", "sniff"]
+__all__ = ["Kind", "refuse_foreign", "sniff", "sniff_fd"]
 
 Kind = Literal["safetensors", "pytorch", "zip", "gguf"]
 
@@ -41,23 +41,29 @@ def sniff(path: Path) -> Kind:
     except OSError:
         return "safetensors"  # (the reader of the header says what is wrong with it)
     try:
-        if regular(fd) is None:
-            return "safetensors"  # (likewise: a FIFO or a device is refused there)
-        head = os.pread(fd, 4, 0)
-        if head == _GGUF:
-            return "gguf"
-        if head != _ZIP:
-            return "safetensors"
-        import zipfile  # (only for a zip archive: safetensors never needs it)
-
-        try:
-            # Through the descriptor's own name: the file read is the one checked.
-            with zipfile.ZipFile(fd_path(fd, path)) as archive:
-                names = archive.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError):
-            return "zip"
+        return sniff_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def sniff_fd(fd: int, path: Path) -> Kind:
+    """:func:`sniff` of the file open as ``fd`` (``path``: its name, in errors), read with
+    ``pread`` and through the descriptor's own name only."""
+    if regular(fd) is None:
+        return "safetensors"  # (the header's reader refuses a FIFO or a device)
+    head = os.pread(fd, 4, 0)
+    if head == _GGUF:
+        return "gguf"
+    if head != _ZIP:
+        return "safetensors"
+    import zipfile  # (only for a zip archive: safetensors never needs it)
+
+    try:
+        # Through the descriptor's own name: the file read is the one checked.
+        with zipfile.ZipFile(fd_path(fd, path)) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return "zip"
     # torch.save's archive: one top folder holding data.pkl (and data/, version...).
     if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
         return "pytorch"
