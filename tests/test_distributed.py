@@ -496,3 +496,30 @@ def test_tasks_write_past_the_page_cache_as_the_driver_says(
         assert not sizes
     else:
         assert sizes and all(n >= transfer.DIRECT_MIN for n in sizes)
+
+
+def test_a_task_reads_a_pickle_through_its_one_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task opens each input once and reads a PyTorch file's tensors through that open: it
+    kept the tensors it read, where it used to load them again by name for a computed output
+    (and a file swapped meanwhile for one of the same size and time reached the output)."""
+    import weightmap.inputs.checkpoint as checkpoint_module
+
+    root = tmp_path / "pt"
+    root.mkdir()
+    torch.save({"a": torch.arange(16.0), "b": torch.ones(4)}, root / "pytorch_model.bin")
+    plan = weightmap.compile(root, mapping='weightmap 1\ncast "a" to bf16\nunmatched keep\n')
+    loads: list[object] = []
+    real = checkpoint_module.read_pickle
+
+    def counted(*args: object, **kwargs: object) -> object:
+        loads.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    with Checkpoint.open(root) as ckpt:
+        monkeypatch.setattr(checkpoint_module, "read_pickle", counted)
+        execute_tasks(plan, ckpt, root.parent / "tasks", run=in_process(0), slots=2)
+    assert loads == []  # (the task's own read, through its descriptor, was kept)
+    out = weightmap.Checkpoint.open(root.parent / "tasks")
+    assert torch.equal(out.view("a"), torch.arange(16.0).to(torch.bfloat16))

@@ -30,6 +30,14 @@ print(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
 
 
+def _needs_room(files: int) -> None:
+    """Skip where the hard limit leaves no room to raise the soft one to ``files`` and the
+    margin."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < files + fdlimit.MARGIN:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
+
+
 def _sharded(folder: Path) -> None:
     folder.mkdir()
     weight_map = {}
@@ -53,9 +61,7 @@ def _child(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_many_shards_past_a_low_soft_limit(tmp_path: Path) -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 2 * SHARDS + fdlimit.MARGIN:
-        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
+    _needs_room(2 * SHARDS)
     _sharded(tmp_path / "src")
     r = _child(_CHILD, tmp_path)
     count, soft = map(int, r.stdout.split())
@@ -80,9 +86,7 @@ print(len(r.paths))
 
 def test_many_output_shards_of_one_input_past_a_low_soft_limit(tmp_path: Path) -> None:
     # The writer holds every output shard open: they count, not only the inputs.
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < SHARDS + fdlimit.MARGIN:
-        pytest.skip(f"the hard limit on open files ({hard}) leaves no room to raise the soft one")
+    _needs_room(SHARDS)
     (tmp_path / "src").mkdir()
     save_file(
         {f"w.{i}": torch.full((4,), float(i)) for i in range(SHARDS)},
@@ -90,3 +94,48 @@ def test_many_output_shards_of_one_input_past_a_low_soft_limit(tmp_path: Path) -
     )
     r = _child(_CHILD_OUT, tmp_path)
     assert int(r.stdout) == SHARDS
+
+
+_CHILD_HELD = """
+import resource, sys, weightmap
+src, out, soft = sys.argv[1], sys.argv[2], int(sys.argv[3])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+cast = 'weightmap 1\\ncast "w.{i}" to bf16\\n'
+# Each input held open, and mapped (a descriptor of its own) for the computed outputs.
+kept = dict(weightmap.iter_tensors(src, mapping=cast))
+r = weightmap.remap(src, out, mapping=cast, progress=False, max_shard_size=16, verify=True)
+print(len(kept), len(r.paths))
+"""
+
+
+def test_held_inputs_their_maps_and_outputs_fit_past_a_low_soft_limit(tmp_path: Path) -> None:
+    """Every input file stays open while its checkpoint is, and each map holds a descriptor of
+    its own: room is made for both beside what is open, and for every output shard."""
+    _needs_room(4 * SHARDS)
+    _sharded(tmp_path / "src")
+    r = _child(_CHILD_HELD, tmp_path)
+    kept, paths = map(int, r.stdout.split())
+    assert kept == SHARDS and paths >= SHARDS // 2  # (two bf16 tensors of 8 bytes a shard)
+
+
+def test_a_family_of_many_rank_files_past_a_low_soft_limit(tmp_path: Path) -> None:
+    """Each member of a family is a checkpoint of its own, opened one after another: the room
+    each makes counts what the ones before hold open."""
+    _needs_room(4 * SHARDS)
+    src = tmp_path / "src"
+    src.mkdir()
+    for r in range(SHARDS):
+        save_file({"w": torch.full((4,), float(r))}, src / f"rank.{r:03d}.safetensors")
+    code = """
+import resource, sys, weightmap
+src, out, soft = sys.argv[1], sys.argv[2], int(sys.argv[3])
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+m = 'weightmap 1\\ninput ranks files "rank.{r}.safetensors"\\n'
+m += 'cast "ranks:{r:int}:w" to bf16 -> "w.{r}"\\n'
+n = sum(1 for _ in weightmap.iter_tensors(src, mapping=m))
+weightmap.remap(src, out, mapping=m, progress=False)
+print(n)
+"""
+    assert int(_child(code, tmp_path).stdout) == SHARDS

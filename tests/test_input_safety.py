@@ -344,3 +344,77 @@ def test_a_weight_file_swapped_after_it_was_opened_is_not_read(tmp_path: Path) -
         out.update(load_file(f))
     assert torch.equal(out["a.0"], torch.arange(64.0).reshape(8, 8))
     assert torch.equal(out["b.0"], torch.ones(4, 4))
+
+
+def _open_fds() -> set[str]:
+    return {os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{n}")}  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_a_closed_checkpoint_is_never_read_again_by_name(tmp_path: Path) -> None:
+    """Once closed, every read of a checkpoint's files says so (``closed``): a view, a
+    pickle's tensors, a conversion, the verification of an output against it, a diff. The
+    name opened again would read whatever it leads to by then."""
+    import torch
+
+    from weightmap.execute.streaming import execute
+    from weightmap.inputs.diff import diff_checkpoints
+
+    for pickled in (False, True):
+        root = tmp_path / ("pt" if pickled else "st")
+        _two_shards(root, pickled)
+        ckpt = Checkpoint.open(root)
+        plan = weightmap.compile(ckpt, mapping=KEEP_ALL)
+        ckpt.close()
+        with pytest.raises(CheckpointError, match="closed") as caught:
+            ckpt.view("a.0")
+        assert caught.value.rule == "closed"
+        with pytest.raises(CheckpointError, match="closed"):
+            execute(plan, ckpt, tmp_path / f"out-{root.name}")
+        assert not (tmp_path / f"out-{root.name}").exists()
+    weightmap.remap(tmp_path / "st", tmp_path / "done", mapping=KEEP_ALL, progress=False)
+    closed = Checkpoint.open(tmp_path / "st")
+    plan = weightmap.compile(closed, mapping=KEEP_ALL)
+    closed.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        weightmap.verify(tmp_path / "done", plan, source=closed)
+    with Checkpoint.open(tmp_path / "done") as done, pytest.raises(CheckpointError):
+        diff_checkpoints(closed, done)
+    assert torch.equal(weightmap.Checkpoint.open(tmp_path / "st").view("b.0"), torch.ones(4, 4))
+
+
+def test_a_joined_checkpoint_reads_no_descriptor_of_a_closed_part(tmp_path: Path) -> None:
+    """A join (several inputs) reads through its parts' descriptors, looked up in the parts at
+    each read: a part closed first makes the read say so, never read what a reused descriptor
+    number names by then."""
+    from weightmap.inputs.join import join
+
+    _two_shards(tmp_path / "main", pickled=False)
+    _two_shards(tmp_path / "part", pickled=False)
+    main, part = Checkpoint.open(tmp_path / "main"), Checkpoint.open(tmp_path / "part")
+    joined = join(main, [("adapter:", part)], ("adapter",))
+    assert joined.view("adapter:b.0").sum() == 16
+    part.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        joined.view("adapter:a.1")  # (in the part's other file, not mapped yet)
+    assert not set(joined.descriptors.values()) - set(main.descriptors.values())
+    joined.close()
+    assert main.descriptors  # (the join closes none of its parts' files)
+    main.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_a_checkpoint_refused_after_its_files_were_opened_keeps_none_open(tmp_path: Path) -> None:
+    """An index that disagrees with the shards is found once they are open: the refusal closes
+    them, rather than keeping them open for as long as the error is held."""
+    names = _two_shards(tmp_path / "src", pickled=False)
+    index = tmp_path / "src" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["a.0"] = names[1]
+    index.write_text(json.dumps(doc))
+    before = _open_fds()
+    with pytest.raises(CheckpointError) as caught:
+        Checkpoint.open(tmp_path / "src")
+    assert caught.value.rule == "index-mismatch"
+    assert not {f for f in _open_fds() - before if f.endswith(tuple(names))}

@@ -18,7 +18,7 @@ from weightmap.execute.options import DEFAULT_CHUNK_BYTES
 from weightmap.format.names import CONFIG_NAME
 from weightmap.format.options import Layouts
 from weightmap.fs.cancel import CancelSource, CancelToken, as_token
-from weightmap.fs.fdlimit import make_room
+from weightmap.fs.fdlimit import make_room, open_now
 from weightmap.fs.gcpause import gc_paused
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.resolve import ResolvedInput
@@ -491,7 +491,9 @@ def iter_tensors(
     except WeightmapError:
         opened.__exit__(None, None, None)
         raise
-    make_room(len(ckpt.files))  # (a view of each input shard stays mapped while yielding)
+    # (A view of each input shard stays mapped while yielding: a descriptor per map, beside
+    # the files the checkpoint holds open.)
+    make_room(open_now() + len(ckpt.files))
     # The opened inputs go with the iterator: dropped here, the checkpoint would be closed as
     # they were freed, its files with it, before the first tensor was read.
     return _closing(iter_outputs(plan, ckpt, token), opened)

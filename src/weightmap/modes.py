@@ -22,7 +22,7 @@ from weightmap.execute.options import DEFAULT_CHUNK_BYTES, check_workers
 from weightmap.format.options import Layouts, check_layout, parse_size
 from weightmap.format.text import human_size
 from weightmap.fs.cancel import CancelToken
-from weightmap.fs.fdlimit import has_room, make_room
+from weightmap.fs.fdlimit import has_room, make_room, open_now
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.plan.plan import Plan
 
@@ -205,11 +205,14 @@ def _write(
     # input's sharding): hundreds of shards outgrow a soft limit of 1,024.
     # The shards are counted only where even one per output would not fit (a pass over every
     # output's size, on the path of every conversion otherwise).
-    if not has_room(len(ckpt.files) + len(plan.outputs)):
+    # Beside what is open already (each input file, held while the checkpoint is), each
+    # input's map (computed outputs read through one, a descriptor of its own) and each
+    # output shard.
+    if not has_room(open_now() + len(ckpt.files) + len(plan.outputs)):
         total = plan.output_nbytes()
         per_shard = parse_size(options.max_shard_size)
         shards = min(len(plan.outputs), total // per_shard + 1 + len(ckpt.files))
-        make_room(len(ckpt.files) + shards)
+        make_room(open_now() + len(ckpt.files) + shards)
     try:
         writer, stats = run(
             plan,

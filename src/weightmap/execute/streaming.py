@@ -23,13 +23,12 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from weightmap.errors import Cancelled, ExecutionError, FormatError
+from weightmap.errors import Cancelled, CheckpointError, ExecutionError, FormatError
 from weightmap.execute.compute import Computer
 from weightmap.execute.options import DEFAULT_CHUNK_BYTES, check_workers, default_workers
 from weightmap.execute.sources import plan_writer
@@ -47,7 +46,6 @@ __all__ = [
     "check_workers",
     "crc_of_ranges",
     "default_workers",
-    "descriptors",
     "execute",
 ]
 
@@ -163,38 +161,27 @@ def _transfer(writer: CheckpointWriter, pieces: list[Piece], counts: _Stats) -> 
         counts.add(piece.length, "cloned" if writer.transfer(piece) else "copied")
 
 
-def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: dict[Path, int]) -> int:
+def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: Mapping[Path, int]) -> int:
     """CRC-32 of input byte ranges ``(file, offset, length)`` in order, read with pread
-    (nothing mapped); files are opened into ``fds``, which the caller closes."""
+    (nothing mapped) through ``fds``: each file's descriptor as its checkpoint opened it
+    (``Checkpoint.descriptors``), never its name opened again."""
     buf = bytearray(min(COPY_PIECE, max((r[2] for r in ranges), default=0)))
     view = memoryview(buf)
     crc = 0
     for path, offset, length in ranges:
-        if path not in fds:
-            fds[path] = os.open(path, os.O_RDONLY)
+        fd = fds.get(path)
+        if fd is None:
+            raise CheckpointError(
+                "is closed: its checkpoint was closed before this read", path=path, rule="closed"
+            )
         end = offset + length
         while offset < end:
-            n = os.preadv(fds[path], [view[: min(len(buf), end - offset)]], offset)
+            n = os.preadv(fd, [view[: min(len(buf), end - offset)]], offset)
             if n == 0:
                 raise ExecutionError(f"{path}: the input ended early; it changed")
             crc = zlib.crc32(view[:n], crc)
             offset += n
     return crc
-
-
-@contextmanager
-def descriptors(held: Mapping[Path, int] | None = None) -> Iterator[dict[Path, int]]:
-    """The file descriptors ``crc_of_ranges`` reads through: ``held`` (a checkpoint's own,
-    ``Checkpoint.descriptors``: its files as it opened them once), and those it opens as it
-    goes for the files ``held`` lacks, which are closed at the end."""
-    own = dict(held or {})
-    fds = dict(own)
-    try:
-        yield fds
-    finally:
-        for path, fd in fds.items():
-            if own.get(path) != fd:
-                os.close(fd)
 
 
 def _checksum(
@@ -204,10 +191,9 @@ def _checksum(
     held: Mapping[Path, int],
 ) -> None:
     """CRC-32 of copied tensors, read from their input ranges (through ``held``)."""
-    with descriptors(held) as fds:
-        for name, ranges in names:
-            halt.check()
-            into[name] = crc_of_ranges(ranges, fds)
+    for name, ranges in names:
+        halt.check()
+        into[name] = crc_of_ranges(ranges, held)
 
 
 def _run_all(

@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from weightmap.errors import ExecutionError
 from weightmap.execute.compute import Computer
 from weightmap.execute.partition import TaskReport, TaskSpec, code_digest
-from weightmap.execute.streaming import check_unchanged, crc_of_ranges, descriptors
+from weightmap.execute.streaming import check_unchanged, crc_of_ranges
 from weightmap.format.header import Header, TensorInfo
 from weightmap.format.transfer import DIRECT_ALIGN, DirectWrites
 from weightmap.format.writer import transfer_piece
@@ -29,6 +30,9 @@ from weightmap.fs.atomic import host_name
 from weightmap.fs.safeopen import fd_path
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.pickles import prefixed_header, read_pickle
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["run_task"]
 
@@ -113,9 +117,10 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
     # Each file opened once on this node (by its path: the driver's descriptors do not cross
     # machines), and read through that descriptor from the check below to the last copy.
     fds: dict[Path, int] = {}
+    loaded: dict[Path, dict[str, torch.Tensor]] = {}
     try:
         for number in sorted(numbers):
-            _input(spec, number, by_file, headers, tensors, fds)
+            _input(spec, number, by_file, headers, tensors, fds, loaded)
     except BaseException:
         for fd in fds.values():
             os.close(fd)
@@ -125,6 +130,7 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
     )
     for path, fd in fds.items():
         ckpt.adopt(path, fd)
+    ckpt._loaded = loaded
     ckpt.prefixes = MappingProxyType(
         {Path(f.path): f.prefix for f in spec.inputs if f.prefix and Path(f.path) in headers}
     )
@@ -141,6 +147,7 @@ def _input(
     headers: dict[Path, Header],
     tensors: dict[str, tuple[Path, TensorInfo]],
     fds: dict[Path, int],
+    loaded: dict[Path, dict[str, torch.Tensor]],
 ) -> None:
     """Input file ``number`` of the task opened (into ``fds``), its header and tensors added."""
     f = spec.inputs[number]
@@ -157,9 +164,12 @@ def _input(
         # A PyTorch checkpoint's offsets and strides are the archive's, read on this node
         # (its header's own stat is set to the driver's, so that a file that differs here
         # fails the check below with the driver's message).
-        node_header, _ = read_pickle(path, fd=fd)
+        node_header, tensors_read = read_pickle(path, fd=fd)
         if f.prefix:
             node_header = prefixed_header(node_header, f.prefix)
+            tensors_read = {f.prefix + n: t for n, t in tensors_read.items()}
+        # (Kept: read through the one descriptor, never loaded again by name.)
+        loaded[path] = tensors_read
         headers[path] = replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns)
     else:
         headers[path] = Header(
@@ -223,10 +233,9 @@ def run_task(spec: TaskSpec, report: Callable[[int], None] | None = None) -> Tas
             counts["cloned" if cloned else "copied"] += piece.length
             shards.written[piece.shard] += piece.length
             progress.add(piece.length)
-        with descriptors(ckpt.descriptors) as fds:
-            for check in spec.checksums:
-                ranges = [(Path(spec.inputs[f].path), off, n) for f, off, n in check.ranges]
-                crcs.append((check.name, check.offset, check.length, crc_of_ranges(ranges, fds)))
+        for check in spec.checksums:
+            ranges = [(Path(spec.inputs[f].path), off, n) for f, off, n in check.ranges]
+            crcs.append((check.name, check.offset, check.length, crc_of_ranges(ranges, held)))
         shards.sync()
     finally:
         shards.close()

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from weightmap.execute.kernels import evaluate
 from weightmap.execute.sidefiles import check_side_files
-from weightmap.execute.streaming import check_inputs, crc_of_ranges, descriptors
-from weightmap.fs.fdlimit import make_room
+from weightmap.execute.streaming import check_inputs, crc_of_ranges
+from weightmap.fs.fdlimit import make_room, open_now
 from weightmap.inputs.checkpoint import Checkpoint
 from weightmap.inputs.join import join
 from weightmap.plan.nodes import Source
@@ -39,8 +39,8 @@ def check_output(
     seconds)."""
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(_open_written(dest, plan))
-        fds = stack.enter_context(descriptors(ckpt.descriptors))
-        make_room(len(ckpt.files))
+        fds = ckpt.descriptors
+        make_room(open_now() + len(ckpt.files))  # (their maps, beside what is open)
         problems = differences(plan, ckpt, checksums, fds, check)
     check()
     return problems + check_side_files(plan.files, dest, files_root)
@@ -96,19 +96,19 @@ def recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
     check_inputs(plan, ckpt)
     safetensors = ckpt.format == "safetensors"
     found: dict[str, int] = {}
-    with descriptors(ckpt.descriptors) as fds:
-        for out in plan.outputs:
-            if not out.spec.nbytes:
-                continue
-            node = out.node
-            if safetensors and type(node) is Source and ckpt.has_range(node.name):
-                found[out.name] = stored_crc(ckpt, node.name, fds)
-            else:
-                found[out.name] = crc(evaluate(node, ckpt.view, out.name))
+    fds = ckpt.descriptors
+    for out in plan.outputs:
+        if not out.spec.nbytes:
+            continue
+        node = out.node
+        if safetensors and type(node) is Source and ckpt.has_range(node.name):
+            found[out.name] = stored_crc(ckpt, node.name, fds)
+        else:
+            found[out.name] = crc(evaluate(node, ckpt.view, out.name))
     return found
 
 
-def stored_crc(ckpt: Checkpoint, name: str, fds: dict[Path, int]) -> int:
+def stored_crc(ckpt: Checkpoint, name: str, fds: Mapping[Path, int]) -> int:
     """CRC-32 of tensor ``name`` of ``ckpt`` as stored: its byte range read with pread (no
     torch: checking a rename's output must not cost the seconds importing torch takes), or,
     for a tensor that is no byte range of its file, its values' bytes."""
@@ -122,7 +122,7 @@ def differences(
     plan: Plan,
     ckpt: Checkpoint,
     checksums: Mapping[str, int],
-    fds: dict[Path, int],
+    fds: Mapping[Path, int],
     check: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Names, dtypes, shapes, bytes (against ``checksums``) and config of ``ckpt`` against

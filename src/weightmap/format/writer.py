@@ -24,7 +24,7 @@ from json.encoder import encode_basestring_ascii  # what json.dumps uses by defa
 from pathlib import Path
 from typing import Any
 
-from weightmap.errors import ExecutionError, OutputExistsError
+from weightmap.errors import CheckpointError, ExecutionError, OutputExistsError
 from weightmap.format.dtypes import SpecTable, TensorSpec
 from weightmap.format.layout import (
     CONFIG_NAME,
@@ -249,9 +249,10 @@ class CheckpointWriter:
         self.shards = list(planned.shards)
         self.copies = planned.copies
         self._inputs = [Path(p) for p in inputs]
-        # The inputs as their checkpoint opened them once (its own: read, never closed here);
-        # an input not among them is opened by name, and closed once copied from.
-        self._input_fds = dict(held or {})
+        # The inputs as their checkpoint opened them once (its own, looked up as they are
+        # needed: read, never closed here). Without a checkpoint's (``held`` None: a writer
+        # used on its own), an input is opened by name, and closed once copied from.
+        self._input_fds = held
         # (The index lists the main checkpoint's shards, which come first; not the members'.)
         # Where each shard's data starts: the headers themselves (a hundred bytes per tensor)
         # are let go once open() has written them (``shards`` then hold empty ones).
@@ -337,10 +338,17 @@ class CheckpointWriter:
                 os.ftruncate(fd, shard.size)
                 self.shards[i] = replace(shard, header=b"")  # (written: see data_starts)
             for number in sorted({c.file for c in self.copies}):
-                src_fd = self._input_fds.get(self._inputs[number])
-                self._src[number] = (
-                    src_fd if src_fd is not None else os.open(self._inputs[number], os.O_RDONLY)
-                )
+                path = self._inputs[number]
+                if self._input_fds is None:
+                    self._src[number] = os.open(path, os.O_RDONLY)
+                elif (src_fd := self._input_fds.get(path)) is not None:
+                    self._src[number] = src_fd
+                else:
+                    raise CheckpointError(
+                        "is closed: its checkpoint was closed before the conversion read it",
+                        path=path,
+                        rule="closed",
+                    )
             self._probe_clones()
             self._pieces = self._cut_copies()
             self._reserve()
@@ -571,11 +579,12 @@ class CheckpointWriter:
         return cloned
 
     def _close_inputs(self) -> None:
-        held = set(self._input_fds.values())
+        if self._input_fds is not None:  # (the checkpoint's own: it closes them)
+            self._src.clear()
+            return
         for fd in self._src.values():
-            if fd not in held:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._src.clear()
 
     def add_file(self, name: str, data: bytes) -> None:

@@ -1,18 +1,20 @@
 """Room for the files a conversion keeps open at once.
 
-A conversion keeps a descriptor open for each input shard it reads and each output shard it
-writes. Many systems start processes with a soft limit of 1,024 open files and a hard limit far
-above it; a checkpoint of some hundreds of shards then fails half-way with "Too many open
-files", and ``--max-shard-size`` cannot help, as a rename keeps the input's sharding. The soft
-limit is the process's own to raise up to the hard one, as ``ulimit -n`` would: it is raised
-where a conversion needs more, and never lowered.
+A conversion keeps a descriptor open for each input shard it reads (for as long as its
+checkpoint is open), one for each map of an input, and one for each output shard it writes.
+Many systems start processes with a soft limit of 1,024 open files and a hard limit far above
+it; a checkpoint of some hundreds of shards then fails half-way with "Too many open files",
+and ``--max-shard-size`` cannot help, as a rename keeps the input's sharding. The soft limit
+is the process's own to raise up to the hard one, as ``ulimit -n`` would: it is raised where
+a conversion needs more, and never lowered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
-__all__ = ["MARGIN", "has_room", "make_room"]
+__all__ = ["MARGIN", "has_room", "make_room", "open_now"]
 
 # Descriptors beyond the shards: the interpreter's, torch's, a Ray client's, a progress bar's.
 MARGIN = 256
@@ -51,3 +53,12 @@ def make_room(files: int) -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def open_now() -> int:
+    """The descriptors this process holds open now (0 where the system cannot say): what
+    room for more must be made beside."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0

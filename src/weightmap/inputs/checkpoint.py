@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import weakref
+from collections import ChainMap
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -29,7 +30,7 @@ from weightmap.format.header import Header, TensorInfo, TensorTable, read_header
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, JOURNAL_NAME, SINGLE_NAME
 from weightmap.format.slots import shared
 from weightmap.format.text import is_utf8
-from weightmap.fs.fdlimit import make_room
+from weightmap.fs.fdlimit import make_room, open_now
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
 from weightmap.fs.safeopen import open_resolved
@@ -157,6 +158,14 @@ def open_weight(path: Path, resolved: Path | None) -> int:
                 "read from it: run again once the folder holds still",
                 path=path,
                 rule="changed",
+            ) from None
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            raise CheckpointError(
+                f"cannot be opened: too many open files ({err.strerror}); weightmap keeps each "
+                "input file open while it reads it: raise the limit (ulimit -n) above the "
+                "number of shards",
+                path=path,
+                rule="too-many-files",
             ) from None
         raise CheckpointError(
             f"cannot be opened ({err.strerror}); make it readable", path=path, rule="unreadable"
@@ -346,11 +355,15 @@ class _Descriptors:
     def __init__(self) -> None:
         self.fds: dict[Path, int] = {}
         self.owned = True
+        self.parts: list[Checkpoint] = []  # (a joined checkpoint's: whose descriptors it reads)
 
     def close(self) -> None:
         if self.owned:
             _close_all(self.fds)
-        self.fds.clear()
+            return
+        # Borrowed: only let go of them (the parts close their own).
+        self.parts = []
+        self.fds = {}
 
 
 def refuse_missing(p: Path) -> None:
@@ -461,7 +474,11 @@ class Checkpoint:
             else:
                 ckpt = cls._open_unlocked(p)
         if config_name != CONFIG_NAME:
-            ckpt._config = _read_config(ckpt.root, config_name, required=True)
+            try:
+                ckpt._config = _read_config(ckpt.root, config_name, required=True)
+            except BaseException:
+                ckpt.close()  # (its files, not kept open as long as the error is)
+                raise
         return ckpt
 
     @classmethod
@@ -592,16 +609,20 @@ class Checkpoint:
                     problems.append(f"{tensor!r} is indexed in {where} but stored in {path.name}")
 
         ckpt = cls._from_files(root, list(shard_names.values()), index_path, take)
-        problems[:0] = [f"{tensor!r} is in the index but in no shard" for tensor in weight_map]
-        if problems:
-            shown = "; ".join(problems[:10])
-            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-            raise CheckpointError(
-                f"index disagrees with the shards' headers: {shown}{more}",
-                path=index_path,
-                rule="index-mismatch",
-            )
-        _check_complete(root, index_path, index, ckpt.headers)
+        try:
+            problems[:0] = [f"{tensor!r} is in the index but in no shard" for tensor in weight_map]
+            if problems:
+                shown = "; ".join(problems[:10])
+                more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+                raise CheckpointError(
+                    f"index disagrees with the shards' headers: {shown}{more}",
+                    path=index_path,
+                    rule="index-mismatch",
+                )
+            _check_complete(root, index_path, index, ckpt.headers)
+        except BaseException:
+            ckpt.close()  # (its files, not kept open as long as the error is)
+            raise
         return ckpt
 
     @classmethod
@@ -619,9 +640,11 @@ class Checkpoint:
         seen: set[str] = set()
         loaded: dict[Path, dict[str, torch.Tensor]] = {}
         fds: dict[Path, int] = {}
-        # Every file stays open while the checkpoint is: room for them all, first (a soft limit
-        # of 1,024 open files and a checkpoint of more shards, fs/fdlimit.py).
-        make_room(len(files))
+        # Every file stays open while the checkpoint is, and its map holds a descriptor of its
+        # own: room for them all beside what the process holds open already (other inputs, a
+        # family's members, the other side of a diff), first (a soft limit of 1,024 open files
+        # and a checkpoint of more shards, fs/fdlimit.py).
+        make_room(open_now() + 2 * len(files))
         try:
             for f in files:
                 header: Header
@@ -799,13 +822,7 @@ class Checkpoint:
         with self._lock:
             mm = self._maps.get(path)
             if mm is None:
-                fd = self._fds.get(path)
-                if fd is None:
-                    raise CheckpointError(
-                        "is closed: the checkpoint was closed before its tensors were read",
-                        path=path,
-                        rule="closed",
-                    )
+                fd = self.reading(path)
                 size = os.fstat(fd).st_size
                 if size != self.headers[path].file_size:
                     raise FormatError(
@@ -827,10 +844,27 @@ class Checkpoint:
 
     def borrow(self, others: Iterable[Checkpoint]) -> None:
         """Read through the weight files of ``others`` as they opened them (a join of them):
-        their descriptors, which they, not this checkpoint, close (after it is done)."""
+        their descriptors, which they, not this checkpoint, close. Looked up in theirs at each
+        read, never copied: once one of them is closed, its files are closed here too (a
+        descriptor number copied could by then name another file)."""
+        parts = list(others)
         self._held.owned = False
-        for other in others:
-            self._fds.update(other._fds)
+        self._held.parts = parts  # (kept alive with this checkpoint)
+        self._fds = self._held.fds = ChainMap(*(part._fds for part in parts))  # type: ignore[assignment]
+
+    def reading(self, path: Path) -> int:
+        """The descriptor ``path``, one of this checkpoint's weight files, is read through; a
+        ``CheckpointError`` (``closed``) once the checkpoint is closed (never the file's name
+        opened again)."""
+        fd = self._fds.get(path)
+        if fd is None:
+            raise CheckpointError(
+                "is closed: its checkpoint was closed before this read (read a checkpoint "
+                "while it is open, in its `with` block)",
+                path=path,
+                rule="closed",
+            )
+        return fd
 
     @property
     def descriptors(self) -> Mapping[Path, int]:
@@ -876,7 +910,7 @@ class Checkpoint:
         with self._lock:
             tensors = self._loaded.get(path)
             if tensors is None:
-                header, tensors = read_pickle(path)
+                header, tensors = read_pickle(path, fd=self.reading(path))
                 prefix = self.prefixes.get(path)
                 if prefix:
                     header = prefixed_header(header, prefix)
@@ -922,6 +956,7 @@ class Checkpoint:
             self._maps.clear()
             self._loaded.clear()
             self._held.close()
+            self._fds = self._held.fds
 
     def __enter__(self) -> Checkpoint:
         return self

@@ -89,7 +89,7 @@ def _same_bytes(a: Checkpoint, b: Checkpoint, name: str) -> bool:
     if la.length != lb.length:
         return False
     # Through the descriptors each checkpoint opened its files as, once.
-    fa, fb = a.descriptors[la.path], b.descriptors[lb.path]
+    fa, fb = a.reading(la.path), b.reading(lb.path)
     done = 0
     while done < la.length:
         n = min(_BLOCK, la.length - done)
