@@ -16,7 +16,7 @@ import re
 import threading
 import weakref
 from collections import ChainMap
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter, sub
@@ -53,7 +53,6 @@ __all__ = [
     "Checkpoint",
     "TensorLocation",
     "check_torch_shape",
-    "leaves_folder",
     "refuse_escape",
     "resolve_shard",
 ]
@@ -104,7 +103,7 @@ def resolve_shard(root: Path, name: object, listed_in: Path, what: str = "weight
 
 def refuse_escape(root: Path, path: Path, listed_in: Path | None = None) -> Path | None:
     """Refuse (``shard-escape``) the weight file ``path`` of folder ``root`` where it is a link
-    that leaves the folder (see :func:`leaves_folder`); the error names ``listed_in`` (the
+    that leaves the folder (see :func:`_outside`); the error names ``listed_in`` (the
     index that names the file), or the file itself. Returns where the name leads, as checked
     (None for a loop of links: it is refused as it is opened)."""
     try:
@@ -172,26 +171,14 @@ def open_weight(path: Path, resolved: Path | None) -> int:
         ) from None
 
 
-def leaves_folder(root: Path, path: Path) -> Path | None:
-    """Where ``path``, a shard in folder ``root``, leads if it is a link out of the folder;
+def _outside(root: Path, resolved: Path) -> Path | None:
+    """``resolved`` (where a shard of folder ``root`` leads) where it is out of the folder;
     None if it stays in it.
 
     A link may point anywhere; it is followed only if it stays in the folder, or, in a hub
     cache's snapshot (or a subfolder of one), leads into that repository's ``blobs/`` folder
-    (the cache is a farm of such links). A loop of links leads nowhere, so nowhere out of
-    the folder: it is refused afterwards as a link to nothing (``dangling-link``).
+    (the cache is a farm of such links).
     """
-    try:
-        resolved = resolve_path(path)
-    except OSError as err:
-        if err.errno != errno.ELOOP:
-            raise
-        return None
-    return _outside(root, resolved)
-
-
-def _outside(root: Path, resolved: Path) -> Path | None:
-    """``resolved`` where it is outside folder ``root`` and its hub cache's blobs; else None."""
     real_root = resolve_path(root)
     blobs = cache_blobs(real_root)
     in_cache = blobs is not None and resolved.parent == blobs
@@ -339,7 +326,7 @@ def _read_config(root: Path, name: str, required: bool = False) -> dict[str, Any
     return loaded
 
 
-def _close_all(fds: dict[Path, int]) -> None:
+def _close_all(fds: MutableMapping[Path, int]) -> None:
     """Close every descriptor of ``fds`` and empty it."""
     while fds:
         _path, fd = fds.popitem()
@@ -353,7 +340,7 @@ class _Descriptors:
     descriptors, which the parts close."""
 
     def __init__(self) -> None:
-        self.fds: dict[Path, int] = {}
+        self.fds: MutableMapping[Path, int] = {}
         self.owned = True
         self.parts: list[Checkpoint] = []  # (a joined checkpoint's: whose descriptors it reads)
 
@@ -408,7 +395,6 @@ class Checkpoint:
         # Each weight file, opened once (open_weight): read through it alone. Closed by close(),
         # or when the checkpoint is freed unclosed.
         self._held = _Descriptors()
-        self._fds = self._held.fds
         weakref.finalize(self, self._held.close)
         self._loaded: dict[Path, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -837,6 +823,10 @@ class Checkpoint:
                 mm = self._maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             return mm
 
+    @property
+    def _fds(self) -> MutableMapping[Path, int]:
+        return self._held.fds
+
     def adopt(self, path: Path, fd: int) -> None:
         """Read ``path``, one of this checkpoint's files, through ``fd``, which the checkpoint
         now owns (a checkpoint made from headers read elsewhere: a task on another node)."""
@@ -850,7 +840,7 @@ class Checkpoint:
         parts = list(others)
         self._held.owned = False
         self._held.parts = parts  # (kept alive with this checkpoint)
-        self._fds = self._held.fds = ChainMap(*(part._fds for part in parts))  # type: ignore[assignment]
+        self._held.fds = ChainMap(*(part._fds for part in parts))
 
     def reading(self, path: Path) -> int:
         """The descriptor ``path``, one of this checkpoint's weight files, is read through; a
@@ -956,7 +946,6 @@ class Checkpoint:
             self._maps.clear()
             self._loaded.clear()
             self._held.close()
-            self._fds = self._held.fds
 
     def __enter__(self) -> Checkpoint:
         return self
