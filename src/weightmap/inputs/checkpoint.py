@@ -33,8 +33,7 @@ from weightmap.format.text import is_utf8
 from weightmap.fs.fdlimit import make_room, open_now
 from weightmap.fs.gcpause import gc_paused
 from weightmap.fs.lock import folder_lock
-from weightmap.fs.safeopen import open_resolved
-from weightmap.inputs.opening import read_folder_json
+from weightmap.inputs.opening import open_checked, read_folder_json
 from weightmap.inputs.pickles import (
     PickleHeader,
     is_pickle,
@@ -143,32 +142,13 @@ def open_weight(path: Path, resolved: Path | None) -> int:
             rule="dangling-link",
         )
     try:
-        return open_resolved(resolved)
+        return open_checked(resolved, path, f"shard {path.name!r}")
     except FileNotFoundError:
         if (broken := _broken_link(path)) is not None:
             raise CheckpointError(
                 f"{broken}; fix or remove the link", path=path, rule="dangling-link"
             ) from None
         raise FormatError("file does not exist", path=path, rule="missing") from None
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise CheckpointError(
-                f"changed while it was opened (it is a link now: {err.strerror}); nothing was "
-                "read from it: run again once the folder holds still",
-                path=path,
-                rule="changed",
-            ) from None
-        if err.errno in (errno.EMFILE, errno.ENFILE):
-            raise CheckpointError(
-                f"cannot be opened: too many open files ({err.strerror}); weightmap keeps each "
-                "input file open while it reads it: raise the limit (ulimit -n) above the "
-                "number of shards",
-                path=path,
-                rule="too-many-files",
-            ) from None
-        raise CheckpointError(
-            f"cannot be opened ({err.strerror}); make it readable", path=path, rule="unreadable"
-        ) from None
 
 
 def _outside(root: Path, resolved: Path) -> Path | None:

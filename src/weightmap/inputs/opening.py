@@ -21,7 +21,7 @@ from weightmap.format.text import read_json_file
 from weightmap.fs.safeopen import kind, open_resolved, regular
 from weightmap.inputs.sidefiles import inside_folder, resolve_path
 
-__all__ = ["open_in_folder", "opened", "read_folder_json"]
+__all__ = ["open_checked", "open_in_folder", "opened", "read_folder_json"]
 
 
 def _changed(what: str, path: Path, err: OSError) -> CheckpointError:
@@ -60,15 +60,9 @@ def open_in_folder(
             rule="link-escape",
         )
     try:
-        fd = open_resolved(resolved)
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
-            raise _changed(what, path, err) from None
-        raise CheckpointError(
-            f"{what} cannot be opened ({err.strerror}); make it readable",
-            path=path,
-            rule="unreadable",
-        ) from None
+        fd = open_checked(resolved, path, what)
+    except FileNotFoundError as err:  # (it was there when it was resolved)
+        raise _changed(what, path, err) from None
     if regular(fd) is None:
         shown = kind(os.fstat(fd).st_mode)
         os.close(fd)
@@ -78,6 +72,33 @@ def open_in_folder(
             rule="not-a-file",
         )
     return fd
+
+
+def open_checked(resolved: Path, path: Path, what: str) -> int:
+    """``open_resolved(resolved)``, its failures said as errors about ``path`` (``what``, in
+    the message): a part of the path that is a link now (``changed``), too many open files
+    (``too-many-files``), anything else (``unreadable``). ``FileNotFoundError`` is raised as
+    it is: what a file that is not there means is the caller's to say."""
+    try:
+        return open_resolved(resolved)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _changed(what, path, err) from None
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            raise CheckpointError(
+                f"{what} cannot be opened: too many open files ({err.strerror}); weightmap "
+                "keeps each input file open while it reads it: raise the limit (ulimit -n) "
+                "above the number of shards",
+                path=path,
+                rule="too-many-files",
+            ) from None
+        raise CheckpointError(
+            f"{what} cannot be opened ({err.strerror}); make it readable",
+            path=path,
+            rule="unreadable",
+        ) from None
 
 
 @contextlib.contextmanager
