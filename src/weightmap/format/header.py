@@ -27,7 +27,7 @@ from weightmap.errors import FormatError
 from weightmap.format.dtypes import DTYPES, U64_MAX, TensorSpec
 from weightmap.format.slots import make_tuple
 from weightmap.format.text import is_utf8, nesting_exceeds, unique_object
-from weightmap.fs.safeopen import kind
+from weightmap.fs.safeopen import kind, read_at
 
 __all__ = [
     "MAX_HEADER_SIZE",
@@ -762,23 +762,9 @@ def read_header_fd(fd: int, path: str | os.PathLike[str]) -> Header:
             f"header length {size} runs past the end of the {st.st_size}-byte file"
             + _not_safetensors(prefix),
         )
-    raw = _pread_all(fd, size, 8)
+    raw = read_at(fd, size, 8)
     if len(raw) != size:
         raise _fail(p, "truncated", "file shrank while its header was being read")
     return parse_header(
         raw, header_size=size, file_size=st.st_size, path=p, mtime_ns=st.st_mtime_ns
     )
-
-
-def _pread_all(fd: int, size: int, offset: int) -> bytes:
-    """``size`` bytes from ``offset`` (fewer where the file ends first): ``pread`` may return
-    less than asked, on a network file system or past 2 GiB."""
-    parts = []
-    while size > 0:
-        chunk = os.pread(fd, size, offset)
-        if not chunk:
-            break
-        parts.append(chunk)
-        size -= len(chunk)
-        offset += len(chunk)
-    return b"".join(parts)

@@ -31,6 +31,7 @@ __all__ = [
     "kind",
     "open_folder",
     "open_resolved",
+    "read_at",
     "read_bounded",
     "regular",
 ]
@@ -107,10 +108,17 @@ def read_bounded(fd: int, limit: int) -> bytes:
     One byte past ``limit`` is asked for, so that a caller tells a file of ``limit`` bytes
     from a longer one (or one that grew since it was measured).
     """
+    return read_at(fd, limit + 1, 0)
+
+
+def read_at(fd: int, count: int, start: int) -> bytes:
+    """Up to ``count`` bytes of ``fd`` from offset ``start`` (fewer where the file ends
+    first), with ``pread``: the descriptor's offset is left as it was, and a ``pread`` that
+    returns less than asked (a network file system, past 2 GiB) is asked again."""
     chunks: list[bytes] = []
     done = 0
-    while done <= limit:
-        chunk = os.pread(fd, min(limit + 1 - done, 8 * 2**20), done)
+    while done < count:
+        chunk = os.pread(fd, min(count - done, 8 * 2**20), start + done)
         if not chunk:
             break
         chunks.append(chunk)
