@@ -39,9 +39,8 @@ def check_output(
     seconds)."""
     with contextlib.ExitStack() as stack:
         ckpt = stack.enter_context(_open_written(dest, plan))
-        fds = ckpt.descriptors
         make_room(open_now() + len(ckpt.files))  # (their maps, beside what is open)
-        problems = differences(plan, ckpt, checksums, fds, check)
+        problems = differences(plan, ckpt, checksums, check)
     check()
     return problems + check_side_files(plan.files, dest, files_root)
 
@@ -96,33 +95,31 @@ def recomputed(plan: Plan, ckpt: Checkpoint) -> dict[str, int]:
     check_inputs(plan, ckpt)
     safetensors = ckpt.format == "safetensors"
     found: dict[str, int] = {}
-    fds = ckpt.descriptors
     for out in plan.outputs:
         if not out.spec.nbytes:
             continue
         node = out.node
         if safetensors and type(node) is Source and ckpt.has_range(node.name):
-            found[out.name] = stored_crc(ckpt, node.name, fds)
+            found[out.name] = stored_crc(ckpt, node.name)
         else:
             found[out.name] = crc(evaluate(node, ckpt.view, out.name))
     return found
 
 
-def stored_crc(ckpt: Checkpoint, name: str, fds: Mapping[Path, int]) -> int:
+def stored_crc(ckpt: Checkpoint, name: str) -> int:
     """CRC-32 of tensor ``name`` of ``ckpt`` as stored: its byte range read with pread (no
     torch: checking a rename's output must not cost the seconds importing torch takes), or,
     for a tensor that is no byte range of its file, its values' bytes."""
     if not ckpt.has_range(name):
         return crc(ckpt.view(name))
     loc = ckpt.location(name)
-    return crc_of_ranges([(loc.path, loc.offset, loc.length)], fds)
+    return crc_of_ranges([(loc.path, loc.offset, loc.length)], ckpt.descriptors)
 
 
 def differences(
     plan: Plan,
     ckpt: Checkpoint,
     checksums: Mapping[str, int],
-    fds: Mapping[Path, int],
     check: Callable[[], None] = lambda: None,
 ) -> list[str]:
     """Names, dtypes, shapes, bytes (against ``checksums``) and config of ``ckpt`` against
@@ -143,7 +140,7 @@ def differences(
             )
             continue
         check()
-        if spec.nbytes and stored_crc(ckpt, name, fds) != checksums[name]:
+        if spec.nbytes and stored_crc(ckpt, name) != checksums[name]:
             problems.append(f"{name!r} bytes differ from what was written")
     if plan.config is not None and ckpt.config != plan.config:
         problems.append("config.json differs from the plan's")
