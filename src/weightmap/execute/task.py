@@ -120,7 +120,11 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
     loaded: dict[Path, dict[str, torch.Tensor]] = {}
     try:
         for number in sorted(numbers):
-            _input(spec, number, by_file, headers, tensors, fds, loaded)
+            path, fd, header, read = _input(spec, number, by_file[number])
+            fds[path], headers[path] = fd, header
+            if read is not None:
+                loaded[path] = read
+            tensors.update((name, (path, info)) for name, info in by_file[number].items())
     except BaseException:
         for fd in fds.values():
             os.close(fd)
@@ -141,41 +145,35 @@ def _inputs(spec: TaskSpec) -> Checkpoint:
 
 
 def _input(
-    spec: TaskSpec,
-    number: int,
-    by_file: dict[int, dict[str, TensorInfo]],
-    headers: dict[Path, Header],
-    tensors: dict[str, tuple[Path, TensorInfo]],
-    fds: dict[Path, int],
-    loaded: dict[Path, dict[str, torch.Tensor]],
-) -> None:
-    """Input file ``number`` of the task opened (into ``fds``), its header and tensors added."""
+    spec: TaskSpec, number: int, infos: dict[str, TensorInfo]
+) -> tuple[Path, int, Header, dict[str, torch.Tensor] | None]:
+    """Input file ``number`` of the task, opened: its path, its descriptor, its header (of the
+    tensors ``infos``) and, of a PyTorch file, the tensors read through that descriptor."""
     f = spec.inputs[number]
     path = Path(f.path)
     try:
-        fd = fds[path] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ExecutionError(
             f"{path} is not there on {host_name()}: the input must be on a filesystem every "
             "node mounts at the same path (or it was removed during the conversion); "
             "nothing was written under that name"
         ) from None
-    if f.pickle:
+    if not f.pickle:
+        return path, fd, Header(f.path, f.header_size, infos, None, f.file_size, f.mtime_ns), None
+    try:
         # A PyTorch checkpoint's offsets and strides are the archive's, read on this node
         # (its header's own stat is set to the driver's, so that a file that differs here
-        # fails the check below with the driver's message).
-        node_header, tensors_read = read_pickle(path, fd=fd)
-        if f.prefix:
-            node_header = prefixed_header(node_header, f.prefix)
-            tensors_read = {f.prefix + n: t for n, t in tensors_read.items()}
-        # (Kept: read through the one descriptor, never loaded again by name.)
-        loaded[path] = tensors_read
-        headers[path] = replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns)
-    else:
-        headers[path] = Header(
-            f.path, f.header_size, by_file[number], None, f.file_size, f.mtime_ns
-        )
-    tensors.update((name, (path, info)) for name, info in by_file[number].items())
+        # fails the check below with the driver's message). Its tensors are kept: read
+        # through the one descriptor, never loaded again by name.
+        node_header, read = read_pickle(path, fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if f.prefix:
+        node_header = prefixed_header(node_header, f.prefix)
+        read = {f.prefix + n: t for n, t in read.items()}
+    return path, fd, replace(node_header, file_size=f.file_size, mtime_ns=f.mtime_ns), read
 
 
 class _Progress:
