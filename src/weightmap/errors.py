@@ -123,6 +123,17 @@ def _format_error(
 class CheckpointError(FormatError):
     """A checkpoint as a whole is inconsistent: index vs shards, missing files, bad config."""
 
+    @classmethod
+    def closed(cls, path: str | Path) -> CheckpointError:
+        """A file of a checkpoint read after the checkpoint was closed (``closed``): its
+        descriptor is gone, and its name is never opened again in its place."""
+        return cls(
+            "is closed: its checkpoint was closed before this read (read a checkpoint while it "
+            "is open, in its `with` block)",
+            path=str(path),
+            rule="closed",
+        )
+
 
 class MappingSyntaxError(WeightmapError, ValueError):
     """A mapping file cannot be parsed. The message shows file:line:col and a caret."""

@@ -171,9 +171,7 @@ def crc_of_ranges(ranges: Sequence[tuple[Path, int, int]], fds: Mapping[Path, in
     for path, offset, length in ranges:
         fd = fds.get(path)
         if fd is None:
-            raise CheckpointError(
-                "is closed: its checkpoint was closed before this read", path=path, rule="closed"
-            )
+            raise CheckpointError.closed(path)
         end = offset + length
         while offset < end:
             n = os.preadv(fd, [view[: min(len(buf), end - offset)]], offset)

@@ -344,11 +344,7 @@ class CheckpointWriter:
                 elif (src_fd := self._input_fds.get(path)) is not None:
                     self._src[number] = src_fd
                 else:
-                    raise CheckpointError(
-                        "is closed: its checkpoint was closed before the conversion read it",
-                        path=path,
-                        rule="closed",
-                    )
+                    raise CheckpointError.closed(path)
             self._probe_clones()
             self._pieces = self._cut_copies()
             self._reserve()

@@ -828,12 +828,7 @@ class Checkpoint:
         opened again)."""
         fd = self._fds.get(path)
         if fd is None:
-            raise CheckpointError(
-                "is closed: its checkpoint was closed before this read (read a checkpoint "
-                "while it is open, in its `with` block)",
-                path=path,
-                rule="closed",
-            )
+            raise CheckpointError.closed(path)
         return fd
 
     @property
