@@ -60,6 +60,7 @@ def _start(big: Big, dest: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # (a hang's stacks: see below)
     )
 
 
@@ -129,7 +130,18 @@ def test_a_signal_stops_the_conversion_at_once(
         left = min(big.work, pace) * (1 - fraction)
     sent = time.monotonic()
     proc.send_signal(signum)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Killed and waited for here: a process left running (its pipes open) would fail
+        # whichever test the collector happens to run in next.
+        proc.send_signal(signal.SIGABRT)  # (faulthandler prints each thread's stack)
+        try:
+            out, err = proc.communicate(timeout=10)
+        finally:
+            proc.kill()
+            proc.communicate()
+        raise AssertionError(f"still running 60 s after the signal: {err}") from None
     stopped = time.monotonic() - sent
     assert proc.returncode == 128 + signum, (out, err)
     assert "weightmap: interrupting...\n" in err
@@ -185,6 +197,66 @@ def test_the_cli_handler_waits_out_a_shielded_stretch() -> None:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)
     assert token.signal == signal.SIGINT
+
+
+@pytest.mark.usefixtures("handlers")
+def test_the_cli_handler_only_cancels_a_polled_stretch() -> None:
+    token = CancelToken()
+    run = CancelToken(token)  # (a run's own token, of the command's: the stretch polls it)
+    with cli._stop_on_signals(token):
+        with pytest.raises(weightmap.Cancelled), run.polled():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # (no exception here: the handler only cancelled)
+            assert token.cancelled and run.cancelled and token.polling
+        assert not token.polling
+    assert token.signal == signal.SIGTERM
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_python_s_own_handler_is_held_back_for_a_polled_stretch_and_put_back() -> None:
+    token = CancelToken()
+    reached: list[str] = []
+    with pytest.raises(KeyboardInterrupt), token.polled():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        reached.append("the end of the stretch")
+        token.check()  # (the Cancelled a thread of the run would raise: the interrupt wins)
+    assert reached == ["the end of the stretch"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with CancelToken().polled():  # (nothing held back from the stretch before)
+        pass
+
+
+def test_a_handler_of_the_program_s_own_is_left_in_place() -> None:
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        with CancelToken().polled():
+            assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("handlers")
+def test_a_signal_while_the_shards_are_fsynced_stops_after_the_threads(tmp_path: Path) -> None:
+    from weightmap.format.transfer import fsyncing
+
+    fds = [os.open(tmp_path / f"{i}", os.O_CREAT | os.O_WRONLY, 0o600) for i in range(3)]
+    try:
+        token = CancelToken()
+        with (
+            cli._stop_on_signals(token),
+            pytest.raises(weightmap.Cancelled),
+            fsyncing(fds, token),
+        ):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert not [t for t in threading.enumerate() if t.name.startswith("weightmap")]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- from Python
@@ -314,6 +386,84 @@ def test_an_interrupt_while_the_gate_opens_does_not_hang(monkeypatch: pytest.Mon
     assert not t.is_alive()
     assert [type(e) for e in failed] == [KeyboardInterrupt]
     assert ran == []  # (the run was stopped before any task: none ran after the gate opened)
+
+
+# A signal at each point where the calling thread has just taken a threading.Condition's lock
+# (Thread.start, the pool's semaphore, the events the workers wait on): the handler runs
+# before ``Condition.__enter__`` (a Python frame) returns, and an exception raised there left
+# the lock held for ever. Each run stops; none hangs or leaves a thread running.
+_SIGNAL_IN_A_CONDITION = """
+import faulthandler, os, signal, sys, threading, time
+from weightmap import Cancelled, cli
+from weightmap.execute import streaming
+from weightmap.fs import cancel
+from weightmap.fs.cancel import CancelToken
+
+cancel._hand_off = False
+MAIN = threading.get_ident()  # (not current_thread(): a thread being started has none yet)
+real_enter = threading.Condition.__enter__
+at = {"count": 0, "signal_at": 0}
+
+def enter(self):
+    got = real_enter(self)
+    if threading.get_ident() == MAIN:
+        at["count"] += 1
+        if at["count"] == at["signal_at"]:
+            os.kill(os.getpid(), signal.SIGINT)
+    return got
+
+threading.Condition.__enter__ = enter
+
+def task():
+    for _ in range(10):
+        time.sleep(0.002)
+        halt.check()
+
+cli_handlers = sys.argv[1] == "cli"
+if not cli_handlers:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+stops = []
+sys.excepthook = lambda *e: (sys.__excepthook__(*e), os._exit(1))  # (not joining a stuck thread)
+while True:
+    faulthandler.dump_traceback_later(30, exit=True)  # (a hang ends the process, and says where)
+    at["count"], at["signal_at"] = 0, at["signal_at"] + 1
+    token = CancelToken()
+    halt = CancelToken(token)
+    try:
+        if cli_handlers:
+            with cli._stop_on_signals(token):
+                streaming._run_all([task] * 6, 3, halt)
+        else:
+            streaming._run_all([task] * 6, 3, halt)
+    except (KeyboardInterrupt, Cancelled) as exc:
+        stops.append(type(exc).__name__)
+    else:
+        if at["count"] < at["signal_at"]:
+            break  # (a run with no signal: every point was tried)
+        stops.append("finished")
+    faulthandler.cancel_dump_traceback_later()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("weightmap")]
+    assert not left, f"a signal at entry {at['signal_at']} left {left} running"
+    if not cli_handlers:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (put back)
+print(" ".join(stops), flush=True)
+"""
+
+
+@pytest.mark.parametrize("handlers", ["cli", "python"])
+def test_a_signal_where_a_thread_lock_was_just_taken_stops_the_run(handlers: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_IN_A_CONDITION, handlers],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    stops = r.stdout.split()
+    assert len(stops) >= 5  # (Thread.start, the semaphore, the gate, the tasks' events)
+    # Each signal stopped the run: the CLI's handlers as Cancelled, which the command line
+    # reports as interrupted; Python's own as the KeyboardInterrupt the program expects.
+    assert set(stops) == {"Cancelled" if handlers == "cli" else "KeyboardInterrupt"}, stops
 
 
 def test_iter_tensors_stops_between_tensors(tmp_path: Path) -> None:

@@ -933,8 +933,11 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def _stop_on_signals(token: CancelToken) -> Iterator[None]:
     """While the command runs, the first SIGINT or SIGTERM cancels ``token``, says so at once
     and raises KeyboardInterrupt in this thread; the run's loops stop at their next chunk,
-    and the temporaries go as the exception unwinds. Later signals only wait for that (a
-    second exception would cut the clean-up short). The previous handlers come back after.
+    and the temporaries go as the exception unwinds. Where the run shields or polls the
+    token (``CancelToken.shielded``, ``CancelToken.polled``: a stretch that must finish, or
+    one that shares locks with threads of its own) it is only cancelled, and the run stops
+    at its next check. Later signals only wait for that (a second exception would cut the
+    clean-up short). The previous handlers come back after.
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # (handlers can only be set in the main thread; a caller there keeps its own)
@@ -949,7 +952,7 @@ def _stop_on_signals(token: CancelToken) -> Iterator[None]:
         # write to sys.stderr (the progress bar), which a second write there would refuse.
         with contextlib.suppress(OSError):
             os.write(2, b"\nweightmap: interrupting...\n")
-        if not token.shielding:
+        if not (token.shielding or token.polling):
             raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}

@@ -202,7 +202,9 @@ def _run_all(
 ) -> None:
     """Run the tasks on ``workers`` threads, and ``meanwhile(check)`` in this one as they run;
     the first failure (a task's error, ``Cancelled``, ``meanwhile``'s error, or a
-    ``KeyboardInterrupt`` in this thread) stops the others at their next chunk.
+    ``KeyboardInterrupt`` in this thread) stops the others at their next chunk. While the
+    threads run, a signal only cancels ``halt`` (``CancelToken.polled``); Python's own SIGINT
+    handler's KeyboardInterrupt is raised once they have ended.
 
     ``meanwhile`` calls ``check()`` between its steps, which raises once the run is cancelled
     or a task has failed; a task's error is the one raised then, not ``meanwhile``'s.
@@ -219,50 +221,56 @@ def _run_all(
             halt.check()
             task()
         return
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="weightmap")
-    # No task starts before every worker has: ``Thread.start`` waits for the new thread, and
-    # a KeyboardInterrupt there (a Ctrl-C from the first task's progress callback, say) leaves
-    # a worker the pool never learnt of, which its shutdown does not wait for.
-    go = _Gate()
-    tracked = _Tasks(len(tasks))
+    # From the pool's first thread to the last one's end, a signal only cancels ``halt``
+    # (see CancelToken.polled): this thread shares the pool's locks with the workers.
+    with halt.polled():
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="weightmap")
+        # No task starts before every worker has: ``Thread.start`` waits for the new thread,
+        # and a KeyboardInterrupt there (raised by a handler of the caller's own, which the
+        # stretch cannot hold back) leaves a worker the pool never learnt of, which its
+        # shutdown does not wait for.
+        go = _Gate()
+        tracked = _Tasks(len(tasks))
 
-    def gated(task: Callable[[], None]) -> None:
-        failed: BaseException | None = None
-        try:
-            go.wait()
-            halt.check()  # (queued when the run stopped, or as the submission failed: dropped)
-            task()
-        except BaseException as exc:
-            failed = exc
-            raise
-        finally:
-            tracked.ended(failed)
+        def gated(task: Callable[[], None]) -> None:
+            failed: BaseException | None = None
+            try:
+                go.wait()
+                halt.check()  # (queued when the run stopped, or the submission failed: dropped)
+                task()
+            except BaseException as exc:
+                failed = exc
+                raise
+            finally:
+                tracked.ended(failed)
 
-    try:
         try:
-            for task in tasks:
-                pool.submit(gated, task)
+            try:
+                for task in tasks:
+                    halt.check()  # (a stop asked as they are queued: no more are)
+                    pool.submit(gated, task)
+            except BaseException:
+                halt.cancel()  # (before the gate opens)
+                raise
+            finally:
+                go.set()
+            if meanwhile is not None:
+                _meanwhile(meanwhile, tracked, halt)
+            # Woken by the first failure, not by the first task in order (which may be the
+            # largest tensor, still running); in slices, so that a signal's handler runs
+            # within one whatever thread the signal reached (a signal the kernel hands to a
+            # worker wakes no one, and its handler runs only when this thread next runs
+            # Python code).
+            while not tracked.finished.wait(_WAKE_EVERY):
+                pass
+            failed = tracked.first()
+            if failed is not None:
+                raise failed
         except BaseException:
-            halt.cancel()  # (before the gate opens)
+            halt.cancel()
             raise
         finally:
-            go.set()
-        if meanwhile is not None:
-            _meanwhile(meanwhile, tracked, halt)
-        # Woken by the first failure, not by the first task in order (which may be the
-        # largest tensor, still running); in slices, so that a signal's handler runs within
-        # one whatever thread the signal reached (a signal the kernel hands to a worker wakes
-        # no one, and its handler runs only when this thread next runs Python code).
-        while not tracked.finished.wait(_WAKE_EVERY):
-            pass
-        failed = tracked.first()
-        if failed is not None:
-            raise failed
-    except BaseException:
-        halt.cancel()
-        raise
-    finally:
-        _shut_down(pool, halt, go)
+            _shut_down(pool, halt, go)
 
 
 class _Tasks:

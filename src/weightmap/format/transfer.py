@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from weightmap.errors import ExecutionError
+from weightmap.fs.cancel import CancelToken
 
 __all__ = [
     "DIRECT_ALIGN",
@@ -196,19 +197,24 @@ def _address(view: memoryview) -> int:
 
 
 @contextmanager
-def fsyncing(fds: Sequence[int]) -> Iterator[None]:
+def fsyncing(fds: Sequence[int], token: CancelToken | None = None) -> Iterator[None]:
     """fsync every shard while the body runs, and wait for them at its end.
 
     Several at once: the filesystem's journal then commits them together instead of once per
     file (48 shards took 48 journal commits one after the other). The body runs meanwhile
     (the commit makes the index there): fsync waits on the disk without the interpreter.
+    While the threads run, a signal only cancels ``token`` (the run's, or one of its own),
+    raised as they end (``CancelToken.polled``): this thread shares the pool's locks.
     """
     if len(fds) <= 1:
         yield
         for fd in fds:
             os.fsync(fd)
         return
-    with ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool:
+    with (
+        (token or CancelToken()).polled(),
+        ThreadPoolExecutor(min(8, len(fds)), thread_name_prefix="weightmap-fsync") as pool,
+    ):
         synced = pool.map(os.fsync, fds)  # every fsync is submitted here
         yield
         list(synced)  # (raises the first that failed)

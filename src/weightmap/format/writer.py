@@ -656,7 +656,7 @@ class CheckpointWriter:
             self._directs.close()  # (the shards' own descriptors fsync what went through them)
             # The small files are made and written while the shards' fsyncs wait on the disk
             # (an index of 100,000 names takes a while to write out).
-            with fsyncing(self._fds):
+            with fsyncing(self._fds, self.token):
                 self.prepare_index()  # (unless written as the copies ran)
                 if self.config is not None:
                     # Strict JSON: Python would write NaN, which no JSON reader takes.

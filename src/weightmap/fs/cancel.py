@@ -9,6 +9,15 @@ tensor yielded), which raises :class:`~weightmap.errors.Cancelled` once stopping
 A short stretch that must not be cut in the middle (an in-place rename's journal replay) runs
 under :meth:`CancelToken.shielded`: the command line's handlers then only record the signal,
 and the stretch finishes.
+
+A stretch in which this thread shares locks with threads it started (a pool's queue, its
+semaphore, the events the threads wait on) runs under :meth:`CancelToken.polled`: a signal
+there only cancels the token, which the threads and this one poll, and is raised once the
+threads have ended. An exception raised from a signal handler lands between any two
+bytecodes, and one that lands just after ``threading.Condition.__enter__`` took its lock (a
+Python frame, so there is such a point) leaves the lock held for ever; the next thread to
+take it, and whoever joins that thread, then wait for ever (a Ctrl-C as a pool started hung
+1 conversion in 60 so).
 """
 
 from __future__ import annotations
@@ -32,9 +41,12 @@ class CancelToken:
     callable returning True; another token, for a token of one run inside a larger one)."""
 
     def __init__(self, source: CancelSource | CancelToken | None = None) -> None:
-        self._event = threading.Event()
+        # A flag, not a threading.Event: a signal handler sets it, and an Event's ``set``
+        # takes a lock the interrupted code may hold (see the module docstring).
+        self._asked = False
         self._source = source
         self._shields = 0
+        self._polls = 0
         self._lock = threading.Lock()
         # The signal that asked (set by the command line's handlers), for the exit code.
         self.signal: int | None = None
@@ -46,12 +58,12 @@ class CancelToken:
         """Ask to stop (``signal``: the signal number that asked, if one did)."""
         if signal is not None and self.signal is None:
             self.signal = signal
-        self._event.set()
+        self._asked = True
 
     @property
     def cancelled(self) -> bool:
         """True once stopping was asked, here or through the source."""
-        if self._event.is_set():
+        if self._asked:
             return True
         source = self._source
         if source is None:
@@ -86,6 +98,59 @@ class CancelToken:
     def shielding(self) -> bool:
         """True while a stretch that must finish runs (see :meth:`shielded`)."""
         return self._shields > 0
+
+    @property
+    def polling(self) -> bool:
+        """True while a stretch polls this token (see :meth:`polled`): a signal handler that
+        honours the token cancels it there rather than raise."""
+        return self._polls > 0
+
+    def _poll(self, step: int) -> None:
+        # Said of this token and of each it is of: the command line's handlers hold the
+        # outermost one, and a run polls its own.
+        token: CancelToken | None = self
+        while token is not None:
+            with token._lock:
+                token._polls += step
+            source = token._source
+            token = source if isinstance(source, CancelToken) else None
+
+    @contextmanager
+    def polled(self) -> Iterator[None]:
+        """A stretch in which this thread shares locks with threads of its own, and polls
+        this token instead of being interrupted (see the module docstring).
+
+        The command line's handlers only cancel the token in it. Where Python's own SIGINT
+        handler is this process's (a program that embeds the library, in its main thread),
+        it is replaced for the stretch by one that cancels the token, and the
+        KeyboardInterrupt it held back is raised as the stretch ends. A stop asked during
+        the stretch and not yet raised by a check in it is raised as it ends (``check``).
+        """
+        held: list[int] = []
+        swapped = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if swapped:
+
+            def hold(signum: int, frame: object) -> None:
+                held.append(signum)
+                self.cancel()
+
+            signal.signal(signal.SIGINT, hold)
+        self._poll(1)
+        try:
+            yield
+        except Cancelled:
+            if not held:
+                raise
+        finally:
+            self._poll(-1)
+            if swapped:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            if held:
+                raise KeyboardInterrupt
+        self.check()
 
     @contextmanager
     def shielded(self) -> Iterator[None]:
