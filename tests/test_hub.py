@@ -477,6 +477,50 @@ def test_a_cancel_stops_the_download_between_files(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cancel_stops_a_download_in_the_middle_of_a_file(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop asked while a file comes in returns at once, not when the file has come in (a
+    shard of several GB): the file is left to the download's own thread."""
+    import threading
+    import time
+
+    remote = _model(tmp_path, example)
+    _fake_hub(monkeypatch, tmp_path, remote)
+    stop, release = threading.Event(), threading.Event()
+    real = hub.snapshot_download
+
+    def slow_download(*args: Any, **kw: Any) -> str:
+        stop.set()  # (the caller asks to stop as the file starts coming in)
+        release.wait(60)  # (the rest of a large file)
+        return str(real(*args, **kw))
+
+    monkeypatch.setattr(hub, "snapshot_download", slow_download)
+    started = time.monotonic()
+    try:
+        with pytest.raises(weightmap.Cancelled, match="the download was cancelled"):
+            weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", cancel=stop)
+        assert time.monotonic() - started < 30  # (the file would have taken 60 s)
+    finally:
+        release.set()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_download_in_its_thread_is_the_error_raised(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = _model(tmp_path, example)
+    _fake_hub(monkeypatch, tmp_path, remote)
+
+    def broken(*args: Any, **kw: Any) -> str:
+        raise hub.errors.RepositoryNotFoundError("404", response=_Response())
+
+    monkeypatch.setattr(hub, "snapshot_download", broken)
+    with pytest.raises(CheckpointError) as info:
+        weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", progress=False)
+    assert info.value.rule == "hub-not-found"  # (translated as a failure in this thread is)
+
+
 # ---- families of rank files on the Hub ------------------------------------------------------
 
 

@@ -22,11 +22,14 @@ import itertools
 import os
 import re
 import stat
+import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from weightmap.errors import CheckpointError
+from weightmap.errors import Cancelled, CheckpointError
 from weightmap.format.names import CONFIG_NAME, INDEX_NAME, SINGLE_NAME
 from weightmap.format.text import read_json_file, redacted
 from weightmap.fs.atomic import replace_at
@@ -324,10 +327,11 @@ class HubRepo:
         """The snapshot folder, holding at least ``names`` (downloaded where missing);
         ``side``: they are side files, which the error for a missing one says can be left out.
 
-        Downloaded one file at a time, ``cancel`` checked before each: huggingface_hub's
-        download of several files runs a pool of its own that finishes every queued file
-        before it returns, so a conversion asked to stop would go on downloading until then.
-        A file already cached costs one look-up of the revision.
+        Downloaded one file at a time, ``cancel`` checked before each and while each comes
+        in (``_downloaded``): huggingface_hub's download of several files runs a pool of its
+        own that finishes every queued file before it returns, so a conversion asked to stop
+        would go on downloading until then. A file already cached costs one look-up of the
+        revision.
         """
         if self.offline or not names:
             folder = self.cached_snapshot()
@@ -349,19 +353,25 @@ class HubRepo:
                 if known.is_dir():
                     self._check_snapshot(known)
             folder = None
+            token = cancel if cancel is not None else CancelToken()
             for name in names:
-                if cancel is not None:
-                    cancel.check("the download")
+                token.check("the download")
                 try:
                     folder = Path(
-                        self.hub.snapshot_download(
-                            self.repo_id,
-                            revision=self.commit or self.revision,
-                            allow_patterns=[_fnmatch_literal(name)],
-                            **kwargs,
+                        _downloaded(
+                            partial(
+                                self.hub.snapshot_download,
+                                self.repo_id,
+                                revision=self.commit or self.revision,
+                                allow_patterns=[_fnmatch_literal(name)],
+                                **kwargs,
+                            ),
+                            token,
                         )
                     )
                 except Exception as err:
+                    if isinstance(err, Cancelled):
+                        raise
                     raise self._translated(err) from None
             if folder is not None:  # (names is not empty here)
                 self._remember_revision(folder)
@@ -498,6 +508,41 @@ class HubRepo:
                     kept.remove(spec)
                     skipped.append(f"side file {spec.name!r} is not carried: {why}")
         return FolderFiles(tuple(kept), tuple(skipped))
+
+
+# How often the thread waiting on a download looks at its token (seconds).
+_POLL = 0.05
+
+
+def _downloaded(download: Callable[[], str], cancel: CancelToken) -> str:
+    """``download()`` (huggingface_hub's, of one file) run in a thread of its own while this
+    one polls ``cancel``: a stop asked mid-file raises ``Cancelled`` at once.
+
+    huggingface_hub downloads even one file in a pool of its own, and waits in it for the
+    whole file: a KeyboardInterrupt in this thread waited for that file anyway (the pool's
+    shutdown), and could leave one of the pool's locks held, hanging the process (see
+    CancelToken.polled). Stopped, the download is left to its thread, a daemon: it goes on
+    into the cache (huggingface_hub writes a file under a temporary name, and resumes it on
+    the next download) until it ends or the process does; the command line's ends at once.
+    """
+    done: list[str] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(download())
+        except BaseException as exc:  # (handed to the waiting thread)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="weightmap-download", daemon=True)
+    with cancel.polled():
+        thread.start()
+        while thread.is_alive():
+            cancel.check("the download")
+            thread.join(_POLL)
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _snapshot_listing(folder: Path) -> dict[str, int]:
