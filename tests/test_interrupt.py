@@ -9,6 +9,7 @@ temporary folder, and end long before the run to the end would have.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -558,6 +559,28 @@ def test_a_cancelled_ray_run_cancels_its_tasks() -> None:
         cluster._run(ray, tasks, 2, None, 0, "out", token)  # type: ignore[arg-type]
     timer.join()
     assert ray.cancelled == [1, 2]  # the two running; the other three never started
+
+
+@pytest.mark.usefixtures("handlers", "python_sigint")
+@pytest.mark.parametrize("handlers_of", ["cli", "python"])
+def test_a_signal_to_the_ray_driver_cancels_its_tasks(handlers_of: str) -> None:
+    """The driver polls its token beside Ray's own threads: a signal cancels it (the command
+    line's handlers) or is raised once the tasks are cancelled (Python's own)."""
+    ray = _FakeRay()
+    tasks = [SimpleNamespace(folder="f", index=i) for i in range(5)]
+    token = CancelToken()
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    expected = weightmap.Cancelled if handlers_of == "cli" else KeyboardInterrupt
+    with contextlib.ExitStack() as stack:
+        if handlers_of == "cli":
+            stack.enter_context(cli._stop_on_signals(token))
+        timer.start()
+        with pytest.raises(expected):
+            cluster._run(ray, tasks, 2, None, 0, "out", token)  # type: ignore[arg-type]
+    timer.join()
+    assert ray.cancelled == [1, 2]
+    if handlers_of == "python":
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (put back)
 
 
 def test_the_cli_says_an_interrupted_inplace_rename_was_committed(tmp_path: Path) -> None:

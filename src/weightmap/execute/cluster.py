@@ -237,31 +237,35 @@ def _run(
     pending: dict[Any, TaskSpec] = {}
     reports: list[TaskReport] = []
     shown = 0
+    # Ray's driver runs threads of its own beside this one: as with the writer threads, a
+    # signal here only cancels the token, which the loop polls every _POLL seconds (see
+    # CancelToken.polled), rather than raise in the middle of Ray's code.
+    token = cancel if cancel is not None else CancelToken()
     try:
-        while queue or pending:
-            if cancel is not None:
-                cancel.check()
-            while queue and len(pending) < slots:
-                spec = queue.pop()
-                pending[remote.remote(spec, actor)] = spec
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL)
-            for ref in done:
-                pending.pop(ref)
-                reports.append(_result(ray, ref, max_retries, dest))
-            if progress is not None and actor is not None:
-                asked = asked or actor.total.remote(run)
-                if ray.wait([asked], timeout=0)[0]:
-                    try:
-                        total, asked = ray.get(asked), None
-                    except ray.exceptions.RayError:
-                        # The actor is gone: the bar waits for the reports, which are what
-                        # counts; the next conversion starts another actor.
-                        _forget_actor()
-                        actor = None
-                        continue
-                    if total > shown:
-                        progress(total - shown)
-                        shown = total
+        with token.polled():
+            while queue or pending:
+                token.check()
+                while queue and len(pending) < slots:
+                    spec = queue.pop()
+                    pending[remote.remote(spec, actor)] = spec
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL)
+                for ref in done:
+                    pending.pop(ref)
+                    reports.append(_result(ray, ref, max_retries, dest))
+                if progress is not None and actor is not None:
+                    asked = asked or actor.total.remote(run)
+                    if ray.wait([asked], timeout=0)[0]:
+                        try:
+                            total, asked = ray.get(asked), None
+                        except ray.exceptions.RayError:
+                            # The actor is gone: the bar waits for the reports, which are what
+                            # counts; the next conversion starts another actor.
+                            _forget_actor()
+                            actor = None
+                            continue
+                        if total > shown:
+                            progress(total - shown)
+                            shown = total
     except BaseException:
         _stop(ray, list(pending))
         raise
