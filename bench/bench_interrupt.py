@@ -161,7 +161,9 @@ def main() -> None:
         )
     lines += [
         "",
-        "How it stops: the first signal cancels the run's token and interrupts the main thread; "
+        "How it stops: the first signal cancels the run's token, and interrupts the main "
+        "thread only where it is not waiting on the writer threads (an exception raised there "
+        "could leave a lock it shares with them held: the run then never ended); "
         "the queued chunks are dropped, each writer thread stops after the chunk it is on (the "
         "default chunk budget, 32 MiB, is shared by the threads), the temporary folder's names "
         "are removed "
