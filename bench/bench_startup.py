@@ -1,15 +1,17 @@
-"""Start-up: how long `weightmap --help`, `weightmap presets` and `weightmap inspect` take,
-against the bare interpreter and a baseline commit, side by side.
+"""Start-up and exit: how long `weightmap --help`, `weightmap presets`, `weightmap inspect` and
+a small computed `weightmap convert` take, against the bare interpreter and a baseline commit,
+side by side.
 
     python bench/bench_startup.py [--baseline COMMIT] [--repeat 21] [--no-write]
 
-Each command is a fresh process (``python -c "from weightmap.cli import main; main([...])"``
-with ``PYTHONPATH`` set to the tree under test, so both trees start the same way; the
-installed ``weightmap`` script adds nothing but its own two-line file), each tree compiled to
-bytecode first, as an installed package is. The runs are
-interleaved, commands rotated, and the medians reported, with ``python -c pass`` in the same
-rotation as the floor. ``inspect`` reads the example drafter in ``examples/``. Writes the
-section "Start-up" of docs/benchmarks.md (``--no-write``: print it only).
+Each command is a fresh process that runs what the installed ``weightmap`` script runs
+(``weightmap.__main__.main`` with ``sys.argv`` set), with ``PYTHONPATH`` set to the tree
+under test, so both trees start the same way; each tree is compiled to bytecode first, as an
+installed package is. The runs are interleaved, commands rotated, and the medians reported,
+with ``python -c pass`` in the same rotation as the floor. ``inspect`` reads the example
+drafter in ``examples/``; ``convert`` casts 8 MiB of float32 to float16 (torch loaded) into a
+scratch folder, ``--overwrite``. Writes the section "Start-up" of docs/benchmarks.md
+(``--no-write``: print it only).
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ COMMANDS = {
     "`weightmap presets`": ["presets"],
     "`weightmap inspect` (example drafter)": ["inspect", str(ROOT / "examples/eagle3-speculators")],
 }
+CONVERT = "`weightmap convert` (a cast of 8 MiB, torch loaded)"
+
+
+def _convert_args(scratch: Path) -> list[str]:
+    """A float32 checkpoint of 8 MiB and a cast to float16 of it, into ``scratch``."""
+    folder = scratch / "small"
+    folder.mkdir()
+    code = (
+        "import sys, numpy as np\n"
+        "from safetensors.numpy import save_file\n"
+        "block = np.ones((256, 1024), dtype=np.float32)\n"
+        "save_file({f'layers.{i}.weight': block for i in range(8)}, sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(folder / "model.safetensors")], check=True)
+    (folder / "config.json").write_text('{"torch_dtype": "float32"}')
+    mapping = scratch / "cast.wm"
+    mapping.write_text('weightmap 1\ncast "**" to f16\n')
+    out = scratch / "out"
+    return ["convert", str(folder), str(out), "--mapping", str(mapping), "--overwrite", "--quiet"]
 
 
 def _checkout(commit: str, workdir: Path) -> Path:
@@ -75,10 +96,14 @@ def main() -> None:
         # pathlib) and what weightmap.errors and most modules use (typing, dataclasses):
         # the floor under any import of weightmap, measured in the same rotation.
         jobs[(STDLIB, "")] = ([sys.executable, "-c", f"import {STDLIB_MODULES}"], bare_env)
+        commands = {**COMMANDS, CONVERT: _convert_args(Path(scratch))}
         for tree, src in trees.items():
             env = bare_env | {"PYTHONPATH": str(src)}
-            for label, cmd in COMMANDS.items():
-                code = f"import sys; from weightmap.cli import main; sys.exit(main({cmd!r}))"
+            for label, cmd in commands.items():
+                code = (
+                    "import sys; from weightmap.__main__ import main; "
+                    f"sys.argv[1:] = {cmd!r}; sys.exit(main())"
+                )
                 jobs[(label, tree)] = ([sys.executable, "-c", code], env)
         for argv, env in jobs.values():  # warm the page cache and the parser cache
             _time(argv, env)
@@ -99,7 +124,7 @@ def main() -> None:
     rows.append(
         f"| {STDLIB} | {med[(STDLIB, '')]:.0f} ms | {med[(STDLIB, '')] - floor:+.0f} ms |{blank}"
     )
-    for label in COMMANDS:
+    for label in [*COMMANDS, CONVERT]:
         now = med[(label, "now")]
         row = f"| {label} | {now:.0f} ms | {now - floor:+.0f} ms |"
         if "before" in trees:
@@ -123,7 +148,9 @@ def main() -> None:
         "itself, nothing of the compiler, the executors, the parser or torch "
         "(`tests/test_cli.py`); `presets` reads the listing kept in the per-user cache (made "
         "once, by loading every preset, and again whenever a preset or the code changes); "
-        "`inspect` imports the checkpoint reader, not the layout planner. Each tree is "
+        "`inspect` imports the checkpoint reader, not the layout planner. `convert` computes, "
+        "so it loads torch; the script ends the process as the command ends (its files synced, "
+        "its output flushed) rather than let the interpreter unload torch first. Each tree is "
         "compiled to bytecode before it is timed, as an installed package is.",
         "",
     ]

@@ -156,6 +156,35 @@ def test_a_signal_stops_the_conversion_at_once(
     assert stopped < left / 2, f"{stopped:.2f} s to stop; a full run had {left:.2f} s left"
 
 
+def test_a_signal_after_the_summary_leaves_the_finished_command_s_exit(tmp_path: Path) -> None:
+    """Once the summary is printed the output is in place: the process ends with the command's
+    own code at once, rather than spend half a second unloading torch, in which a Ctrl-C
+    ended it by the signal (-2) or with a traceback from torch's teardown."""
+    src = _small(tmp_path)
+    mapping = tmp_path / "cast.wm"
+    mapping.write_text('weightmap 1\ncast "**" to f16\n')  # (computed: torch is loaded)
+    for attempt in range(3):
+        dest = tmp_path / f"out{attempt}"
+        args = ["convert", str(src), str(dest), "--mapping", str(mapping)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightmap", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        summary = ""
+        while " into " not in summary and (line := proc.stdout.readline()):
+            summary = line
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert " into " in summary, summary + out + err
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err and "interrupt" not in err, err
+        assert (dest / "model.safetensors").is_file()
+
+
 def test_the_cli_puts_its_handlers_back() -> None:
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert cli.main(["presets"]) == 0

@@ -34,7 +34,7 @@ def main() -> int:
         args = parse()
     except KeyboardInterrupt:
         return _not_started()
-    return run(args)
+    return run(args, final=True)  # (ends the process as the command ends)
 
 
 if __name__ == "__main__":

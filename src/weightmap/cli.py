@@ -906,18 +906,23 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return _parser().parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the command that ``parse`` gave; returns the exit code."""
+def run(args: argparse.Namespace, *, final: bool = False) -> int:
+    """Run the command that ``parse`` gave; returns the exit code.
+
+    ``final``: nothing follows the command in this process (the ``weightmap`` script), which
+    then ends as the command does, with its exit code, and does not return."""
     debug = args.debug or os.environ.get("WEIGHTMAP_DEBUG", "") not in ("", "0")
     stdout = sys.stdout
     sys.stdout = cast(TextIO, _Printable(stdout))
     try:
-        code = _run(args, debug)
+        code = _run(args, debug, final)
     finally:
         sys.stdout = stdout
-    if args.cancel.signal is not None:
-        # Stopped by a signal, its clean-up done: the process ends now, not after the second
-        # the interpreter takes to unload torch (a stop must take well under a second).
+    if final or args.cancel.signal is not None:
+        # The command done (or stopped by a signal, its clean-up done): the process ends
+        # now, not after the half second the interpreter takes to unload torch, during
+        # which a Ctrl-C would end it with a traceback from torch's teardown (a stop must
+        # take well under a second). Its files are closed and synced, its output flushed.
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -930,14 +935,15 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def _stop_on_signals(token: CancelToken) -> Iterator[None]:
+def _stop_on_signals(token: CancelToken, final: bool = False) -> Iterator[None]:
     """While the command runs, the first SIGINT or SIGTERM cancels ``token``, says so at once
     and raises KeyboardInterrupt in this thread; the run's loops stop at their next chunk,
     and the temporaries go as the exception unwinds. Where the run shields or polls the
     token (``CancelToken.shielded``, ``CancelToken.polled``: a stretch that must finish, or
     one that shares locks with threads of its own) it is only cancelled, and the run stops
     at its next check. Later signals only wait for that (a second exception would cut the
-    clean-up short). The previous handlers come back after.
+    clean-up short). The previous handlers come back after, unless ``final`` (the process
+    ends with the command: a signal between its end and the exit is ignored).
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # (handlers can only be set in the main thread; a caller there keeps its own)
@@ -963,7 +969,7 @@ def _stop_on_signals(token: CancelToken) -> Iterator[None]:
             # Once stopped, the command ends with the exit code of the first signal: a later
             # one (a second Ctrl-C during the clean-up) waiting to be handled must not run
             # Python's default handler then, which raises a KeyboardInterrupt nothing catches.
-            signal.signal(s, signal.SIG_IGN if token.cancelled else handler)
+            signal.signal(s, signal.SIG_IGN if token.cancelled or final else handler)
 
 
 def _interrupted(token: CancelToken) -> int:
@@ -971,11 +977,11 @@ def _interrupted(token: CancelToken) -> int:
     return 128 + (token.signal or signal.SIGINT)
 
 
-def _run(args: argparse.Namespace, debug: bool) -> int:
+def _run(args: argparse.Namespace, debug: bool, final: bool = False) -> int:
     """The command, its known errors as a line on stderr and an exit code."""
     token = args.cancel = CancelToken()
     try:
-        with _stop_on_signals(token):
+        with _stop_on_signals(token, final):
             code: int = args.func(args)
             # Flushed here, not at exit, so that a closed pipe is caught below.
             sys.stdout.flush()
