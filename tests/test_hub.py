@@ -506,6 +506,43 @@ def test_a_cancel_stops_a_download_in_the_middle_of_a_file(
     assert not (tmp_path / "out").exists()
 
 
+def test_ctrl_c_during_a_download_is_raised_at_once_and_never_inside_its_pool(
+    tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's own SIGINT handler is held back while the file comes in (huggingface_hub's
+    pool, whose locks the waiting thread takes, runs beside it), and its KeyboardInterrupt
+    raised at once, not when the file has come in."""
+    import signal
+    import threading
+    import time
+
+    remote = _model(tmp_path, example)
+    _fake_hub(monkeypatch, tmp_path, remote)
+    release = threading.Event()
+    handlers: list[Any] = []
+    real = hub.snapshot_download
+
+    def slow_download(*args: Any, **kw: Any) -> str:
+        handlers.append(signal.getsignal(signal.SIGINT))
+        os.kill(os.getpid(), signal.SIGINT)  # (Ctrl-C as the file starts coming in)
+        release.wait(60)
+        return str(real(*args, **kw))
+
+    monkeypatch.setattr(hub, "snapshot_download", slow_download)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            weightmap.remap("org/tiny", tmp_path / "out", preset="eagle3-sglang", progress=False)
+        assert time.monotonic() - started < 30  # (the file would have taken 60 s)
+        assert handlers and handlers[0] is not signal.default_int_handler  # (held back)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (put back)
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_download_in_its_thread_is_the_error_raised(
     tmp_path: Path, example: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,6 +125,7 @@ class CancelToken:
         it is replaced for the stretch by one that cancels the token, and the
         KeyboardInterrupt it held back is raised as the stretch ends. A stop asked during
         the stretch and not yet raised by a check in it is raised as it ends (``check``).
+        Not for use inside :meth:`shielded`: the interrupt held back would be raised there.
         """
         held: list[int] = []
         swapped = (

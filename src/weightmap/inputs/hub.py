@@ -523,7 +523,8 @@ def _downloaded(download: Callable[[], str], cancel: CancelToken) -> str:
     shutdown), and could leave one of the pool's locks held, hanging the process (see
     CancelToken.polled). Stopped, the download is left to its thread, a daemon: it goes on
     into the cache (huggingface_hub writes a file under a temporary name, and resumes it on
-    the next download) until it ends or the process does; the command line's ends at once.
+    the next download) until the file is complete. The interpreter's exit waits for it
+    (huggingface_hub's pool threads are joined then); the command line's exits at once.
     """
     done: list[str] = []
     failed: list[BaseException] = []
